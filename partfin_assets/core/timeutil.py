@@ -1,0 +1,46 @@
+"""Event-time helpers shared by every layer: one representation (epoch microseconds, UTC)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+US_PER_SECOND = 1_000_000
+US_PER_HOUR = 3600 * US_PER_SECOND
+HOUR = timedelta(hours=1)
+
+
+def to_us(dt: datetime) -> int:
+    if dt.tzinfo is None:
+        raise ValueError(f"naive datetime {dt!r}: event times must be timezone-aware (UTC)")
+    delta = dt.astimezone(UTC) - datetime(1970, 1, 1, tzinfo=UTC)
+    return (delta.days * 86_400 + delta.seconds) * US_PER_SECOND + delta.microseconds
+
+
+def from_us(us: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=int(us))
+
+
+def floor_hour_us(us: int) -> int:
+    return (int(us) // US_PER_HOUR) * US_PER_HOUR
+
+
+def floor_hour(dt: datetime) -> datetime:
+    return from_us(floor_hour_us(to_us(dt)))
+
+
+def iso_z(dt_or_us: datetime | int) -> str:
+    """ISO-8601 UTC with a trailing Z, the format of every time stored in snapshot summaries."""
+    dt = from_us(dt_or_us) if isinstance(dt_or_us, int) else dt_or_us.astimezone(UTC)
+    text = dt.isoformat(timespec="microseconds" if dt.microsecond else "seconds")
+    return text.replace("+00:00", "Z")
+
+
+def parse_iso(text: str) -> datetime:
+    dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        raise ValueError(f"time {text!r} has no timezone; expected ISO-8601 UTC with a trailing Z")
+    return dt.astimezone(UTC)
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,61 @@
+"""The one small interface every CDC source implements.
+
+A source yields ChangeBatch objects: CDC records as Arrow, records it could not
+parse (to the rejected-records table, never dropped), an opaque resumable offset
+and an optional heartbeat time. The writer commits one checkpoint per batch and
+stores the batch's offset in that same commit, so a restarted source resumes
+from exactly what was committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+import pyarrow as pa
+
+UTC_US = pa.timestamp("us", tz="UTC")
+
+# Every CDC record, whatever the source. `key` is the canonical JSON object of the
+# primary-key columns (sorted keys, no spaces), so routing, dedupe and the upsert
+# see one stable identity per row. `payload` is the JSON after-image (null for deletes).
+# `source_seq` orders changes within the source (file line, LSN, generator index) and
+# breaks event-time ties in last-writer-wins.
+CDC_RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("op", pa.string(), nullable=False),
+        pa.field("event_time", UTC_US, nullable=False),
+        pa.field("source_seq", pa.int64(), nullable=False),
+        pa.field("payload", pa.string(), nullable=True),
+    ]
+)
+
+REJECTED_RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("source_seq", pa.int64(), nullable=False),
+        pa.field("raw", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+    ]
+)
+
+VALID_OPS = frozenset({"c", "u", "d", "r"})
+
+
+@dataclass(frozen=True)
+class ChangeBatch:
+    records: pa.Table  # CDC_RECORD_SCHEMA
+    offset: str  # opaque position after this batch; passed back to resume
+    rejected: pa.Table = REJECTED_RECORD_SCHEMA.empty_table()
+    heartbeat: datetime | None = None  # the source is complete up to this time
+
+
+class CdcSource(Protocol):
+    def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
+        """Yield batches of at most max_records records after start_offset (None: from the start).
+
+        Ends when the source is exhausted; a following source never ends.
+        """
+        ...
