@@ -10,7 +10,7 @@ from exactly what was committed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
@@ -48,7 +48,7 @@ VALID_OPS = frozenset({"c", "u", "d", "r"})
 class ChangeBatch:
     records: pa.Table  # CDC_RECORD_SCHEMA
     offset: str  # opaque position after this batch; passed back to resume
-    rejected: pa.Table = REJECTED_RECORD_SCHEMA.empty_table()
+    rejected: pa.Table = field(default_factory=REJECTED_RECORD_SCHEMA.empty_table)
     heartbeat: datetime | None = None  # the source is complete up to this time
 
 
