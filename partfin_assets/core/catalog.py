@@ -1,0 +1,112 @@
+"""Catalog configuration: one place that turns the environment into an Iceberg catalog.
+
+- default: a PyIceberg SqlCatalog on SQLite plus a file warehouse, both under PARTFIN_HOME
+  (default ./.partfin): zero setup;
+- PARTFIN_CATALOG_URI: any SQLAlchemy URI (e.g. postgresql+psycopg://...) for the SqlCatalog;
+- PARTFIN_CATALOG=<name>: a named PyIceberg catalog (REST, Glue, Hive...) configured the
+  PyIceberg way (~/.pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__* variables).
+
+Misconfiguration raises PartfinConfigError with one line naming what to fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
+from pyiceberg.table import Table
+
+CATALOG_NAME = "partfin"
+
+
+class PartfinConfigError(RuntimeError):
+    """A configuration problem the user must fix; the message names what and how."""
+
+
+@dataclass(frozen=True)
+class CatalogConfig:
+    home: Path
+    uri: str | None = None  # SQLAlchemy URI for the SqlCatalog
+    named: str | None = None  # a PyIceberg catalog name
+
+    @classmethod
+    def from_env(cls, home: str | os.PathLike | None = None) -> CatalogConfig:
+        return cls(
+            home=Path(home or os.environ.get("PARTFIN_HOME") or ".partfin").absolute(),
+            uri=os.environ.get("PARTFIN_CATALOG_URI") or None,
+            named=os.environ.get("PARTFIN_CATALOG") or None,
+        )
+
+    @property
+    def warehouse(self) -> str:
+        return (self.home / "warehouse").as_uri()
+
+    @property
+    def sql_uri(self) -> str:
+        return self.uri or f"sqlite:///{self.home / 'catalog.db'}"
+
+    def describe(self) -> str:
+        if self.named:
+            return f"PyIceberg catalog {self.named!r} (PARTFIN_CATALOG)"
+        return f"SQL catalog at {redact(self.sql_uri)}"
+
+    def load(self) -> Catalog:
+        if self.named:
+            try:
+                return load_catalog(self.named)
+            except Exception as exc:  # pyiceberg raises several types for a bad config
+                raise PartfinConfigError(
+                    f"cannot load PyIceberg catalog {self.named!r} set by PARTFIN_CATALOG: {one_line(exc)} "
+                    f"(configure it in ~/.pyiceberg.yaml or PYICEBERG_CATALOG__{self.named.upper()}__* variables)"
+                ) from exc
+        from pyiceberg.catalog.sql import SqlCatalog
+
+        if not self.uri:
+            self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+        except Exception as exc:  # sqlalchemy raises driver-specific errors
+            source = "PARTFIN_CATALOG_URI" if self.uri else "PARTFIN_HOME"
+            raise PartfinConfigError(
+                f"cannot reach the Iceberg catalog at {redact(self.sql_uri)}: {one_line(exc)} (check {source})"
+            ) from exc
+
+
+def load_partfin_catalog(home: str | os.PathLike | None = None) -> Catalog:
+    return CatalogConfig.from_env(home).load()
+
+
+def ensure_namespaces(catalog: Catalog, *namespaces: str) -> None:
+    for namespace in namespaces:
+        try:
+            catalog.create_namespace(namespace)
+        except NamespaceAlreadyExistsError:
+            pass
+
+
+def load_existing_table(catalog: Catalog, identifier: str, hint: str = "") -> Table:
+    """Load a table or raise one clear line saying which table or namespace is missing."""
+    try:
+        return catalog.load_table(identifier)
+    except NoSuchNamespaceError as exc:
+        namespace = identifier.split(".")[0]
+        raise PartfinConfigError(
+            f"namespace {namespace!r} does not exist in {catalog.name!r}; {hint or 'ingest into the table first'}"
+        ) from exc
+    except NoSuchTableError as exc:
+        raise PartfinConfigError(
+            f"table {identifier} does not exist in catalog {catalog.name!r}; {hint or 'ingest into it first'}"
+        ) from exc
+
+
+def redact(uri: str) -> str:
+    return re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", uri)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

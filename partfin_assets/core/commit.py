@@ -1,0 +1,134 @@
+"""The commit layer every partfin write goes through.
+
+PyIceberg 0.12 retries failed commits itself and re-applies a stale
+`set_properties` on top of newer metadata, which can move a watermark back.
+partfin tables therefore set `commit.retry.num-retries=0` and this layer owns
+the retry: on every attempt it reloads the table and calls `build` again, so
+everything derived from the table (watermark, dedupe, conflict checks) is
+recomputed on the metadata the commit will be validated against. The snapshot
+requirement PyIceberg attaches (main must still be at the head we read) makes
+each attempt a real compare-and-set.
+
+An attempt whose outcome is unknown (the catalog call raised something other
+than CommitFailedException) is resolved by looking for its commit id in the
+snapshot history, never by guessing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.io import FileIO
+from pyiceberg.table import Table, Transaction
+from pyiceberg.table.snapshots import Snapshot
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.history import find_commit
+
+log = logging.getLogger(__name__)
+
+# Table properties every partfin table carries (set at creation, re-asserted by writers).
+MANAGED_TABLE_PROPERTIES = {
+    "commit.retry.num-retries": "0",  # this layer retries, recomputing on fresh metadata
+    # one metadata.json per commit would pile up forever in a streaming table
+    "write.metadata.delete-after-commit.enabled": "true",
+    "write.metadata.previous-versions-max": "20",
+    # per-partition counts in each snapshot summary: partition metadata without reading manifests
+    "write.summary.partition-limit": "200",
+}
+
+
+class JobKind(enum.StrEnum):
+    INTO = "INTO"
+    OVERWRITE = "OVERWRITE"
+    UPDATE_DELETE = "UPDATE/DELETE"
+    MERGE = "MERGE"
+
+
+class CommitRetriesExhausted(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    table: Table
+    snapshot: Snapshot | None  # None when build decided there was nothing to commit
+    attempts: int
+
+
+BuildFn = Callable[[Table, str], Transaction | None]
+
+
+def new_commit_id() -> str:
+    return uuid.uuid4().hex
+
+
+def commit_with_retry(
+    catalog: Catalog,
+    identifier: str,
+    build: BuildFn,
+    *,
+    commit_id: str | None = None,
+    max_attempts: int = 50,
+    base_wait_s: float = 0.02,
+    max_wait_s: float = 1.0,
+) -> CommitResult:
+    """Commit the transaction `build(fresh_table, commit_id)` returns, retrying on concurrent commits.
+
+    `build` must put `commit_id` into the snapshot summary (key partfin.commit-id) of the
+    snapshot it produces, and may return None to commit nothing.
+    """
+    commit_id = commit_id or new_commit_id()
+    for attempt in range(1, max_attempts + 1):
+        table = catalog.load_table(identifier)
+        start_snapshot_id = table.metadata.current_snapshot_id
+        transaction = build(table, commit_id)
+        if transaction is None:
+            return CommitResult(table, None, attempt)
+        try:
+            committed = transaction.commit_transaction()
+            return CommitResult(committed, committed.current_snapshot(), attempt)
+        except CommitFailedException:
+            log.debug("commit %s on %s lost a race (attempt %d); retrying", commit_id, identifier, attempt)
+        except Exception:
+            # Unknown outcome: the write may have landed. Only the history can tell.
+            landed = find_commit(catalog.load_table(identifier), commit_id, start_snapshot_id)
+            if landed is None:
+                raise
+            log.warning("commit %s on %s reported an error but landed as snapshot %s", commit_id, identifier, landed.snapshot_id)
+            return CommitResult(catalog.load_table(identifier), landed, attempt)
+        wait = min(max_wait_s, base_wait_s * 2 ** min(attempt, 10))
+        time.sleep(random.uniform(0.5, 1.0) * wait)
+    raise CommitRetriesExhausted(f"{identifier}: gave up after {max_attempts} concurrent-commit retries (commit {commit_id})")
+
+
+def ensure_managed_properties(catalog: Catalog, identifier: str) -> Table:
+    """Re-assert partfin's table properties (a table created elsewhere, or an older partfin)."""
+    table = catalog.load_table(identifier)
+    missing = {k: v for k, v in MANAGED_TABLE_PROPERTIES.items() if table.properties.get(k) != v}
+    if missing:
+        with table.transaction() as tx:
+            tx.set_properties(missing)
+        table = catalog.load_table(identifier)
+    return table
+
+
+def delete_files(io: FileIO, paths: list[str]) -> None:
+    """Remove data files of a commit that will never land, so a failed job leaves nothing behind."""
+    for path in paths:
+        try:
+            io.delete(path)
+        except FileNotFoundError:
+            pass
+
+
+def snapshot_summary_with_commit_id(summary: dict[str, str], commit_id: str, kind: JobKind) -> dict[str, str]:
+    return {**summary, K.COMMIT_ID: commit_id, K.JOB_KIND: kind.value}

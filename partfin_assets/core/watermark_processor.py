@@ -1,0 +1,92 @@
+"""The watermark policy as a CommitProcessor: computed inside the checkpoint commit itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyiceberg.table.snapshots import Snapshot
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.history import CommitStats, recent_commit_stats
+from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes, late_records_by_hour
+from partfin_assets.core.timeutil import iso_z, parse_iso, to_us
+from partfin_assets.core.watermark import WatermarkPolicy, advance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LateDataAlert:
+    table: str
+    snapshot_id: int
+    checkpoint_id: int
+    late_records: int
+    by_hour: dict[str, int]  # hour (ISO Z) -> late records in that hour
+    watermark: str  # the watermark in force before the commit
+
+
+def log_late_data(alert: LateDataAlert) -> None:
+    log.warning(
+        "late data in %s: %d record(s) below watermark %s in checkpoint %d (snapshot %d): %s",
+        alert.table, alert.late_records, alert.watermark, alert.checkpoint_id, alert.snapshot_id, alert.by_hour,
+    )
+
+
+def current_watermark_us(properties: dict[str, str]) -> int | None:
+    value = properties.get(K.PROP_WATERMARK)
+    return to_us(parse_iso(value)) if value else None
+
+
+class WatermarkProcessor(CommitProcessor):
+    """Advances partfin.watermark in the same commit as the data; counts and alerts on late records.
+
+    Runs on every commit attempt against that attempt's fresh metadata, so the update is a
+    compare-and-set: a concurrent writer's newer watermark is seen and never overwritten.
+    """
+
+    def __init__(self, alert_hooks: list[Callable[[LateDataAlert], None]] | None = None) -> None:
+        self.alert_hooks = alert_hooks if alert_hooks is not None else [log_late_data]
+
+    def pre_commit(self, ctx: CommitContext) -> None:
+        event_times: EventTimes = ctx.accumulated[EventTimeAccumulator.name]
+        metadata = ctx.table.metadata
+        policy = WatermarkPolicy.parse(metadata.properties.get(K.PROP_WATERMARK_POLICY))
+        previous = current_watermark_us(metadata.properties)
+
+        this_commit: list[CommitStats] = []
+        if not event_times.stats.is_empty:
+            this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats)]
+        elif ctx.heartbeat_us is not None:
+            this_commit = [CommitStats(None, ctx.heartbeat_us, event_times.stats)]
+        candidate = None
+        if this_commit:  # a commit without stats leaves the watermark where it is
+            window = this_commit + recent_commit_stats(metadata, policy.lookback - 1)
+            candidate = policy.candidate_us(window)
+        watermark = advance(previous, candidate)
+
+        late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
+        ctx.summary[K.LATE_RECORDS] = str(sum(late.values()))
+        if late:
+            ctx.summary[K.LATE_RECORDS_BY_HOUR] = json.dumps(late, separators=(",", ":"))
+        if watermark is not None:
+            ctx.summary[K.WATERMARK] = iso_z(watermark)
+            if watermark != previous:
+                ctx.properties[K.PROP_WATERMARK] = iso_z(watermark)
+
+    def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
+        late = int(ctx.summary.get(K.LATE_RECORDS, "0"))
+        if not late:
+            return
+        alert = LateDataAlert(
+            table=ctx.table_name,
+            snapshot_id=snapshot.snapshot_id,
+            checkpoint_id=ctx.checkpoint_id,
+            late_records=late,
+            by_hour=json.loads(ctx.summary[K.LATE_RECORDS_BY_HOUR]),
+            watermark=ctx.table.metadata.properties.get(K.PROP_WATERMARK, ""),
+        )
+        for hook in self.alert_hooks:
+            hook(alert)
