@@ -172,7 +172,7 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
         spec.cdc_identifier,
         CDC_SCHEMA,
         CDC_PARTITION_SPEC,
-        {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy},
+        {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
     )
     _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     return ensure_managed_properties(catalog, spec.cdc_identifier)

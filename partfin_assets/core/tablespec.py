@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from partfin_assets.core.summary_keys import PROP_WATERMARK_POLICY
+
 DEFAULT_WATERMARK_POLICY = "min-of-last:3"
+
+# The declaration travels with cdc.<name> as table properties, so `partfin upsert --table T`
+# and the Dagster layer need nothing but the table name.
+PROP_PRIMARY_KEY = "partfin.primary-key"
+PROP_COLUMNS = "partfin.columns"
+
+_SIMPLE_TYPES = {
+    "bool": pa.bool_(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float": pa.float32(),
+    "double": pa.float64(),
+    "string": pa.string(),
+    "binary": pa.binary(),
+    "date32[day]": pa.date32(),
+    "time64[us]": pa.time64("us"),
+    "timestamp[us, tz=UTC]": pa.timestamp("us", tz="UTC"),
+    "timestamp[us]": pa.timestamp("us"),
+}
+
+
+def type_to_text(data_type: pa.DataType) -> str:
+    text = str(data_type)
+    if text not in _SIMPLE_TYPES and not isinstance(data_type, pa.Decimal128Type):
+        raise ValueError(f"column type {text} is not supported in a table declaration")
+    return text
+
+
+def type_from_text(text: str) -> pa.DataType:
+    if text in _SIMPLE_TYPES:
+        return _SIMPLE_TYPES[text]
+    match = re.fullmatch(r"decimal128\((\d+), (\d+)\)", text)
+    if match:
+        return pa.decimal128(int(match[1]), int(match[2]))
+    raise ValueError(f"column type {text!r} is not supported in a table declaration")
 
 
 @dataclass(frozen=True)
@@ -25,6 +65,24 @@ class TableSpec:
         missing = [c for c in self.primary_key if self.columns and c not in self.columns]
         if missing:
             raise ValueError(f"table {self.name!r}: primary-key column(s) {missing} are not among its columns")
+
+    def to_properties(self) -> dict[str, str]:
+        return {
+            PROP_PRIMARY_KEY: ",".join(self.primary_key),
+            PROP_COLUMNS: json.dumps({n: type_to_text(t) for n, t in self.columns.items()}, separators=(",", ":")),
+        }
+
+    @classmethod
+    def from_properties(cls, name: str, properties: Mapping[str, str]) -> TableSpec:
+        if PROP_PRIMARY_KEY not in properties:
+            raise ValueError(f"cdc.{name} carries no table declaration (property {PROP_PRIMARY_KEY}); ingest with partfin first")
+        columns = json.loads(properties.get(PROP_COLUMNS) or "{}")
+        return cls(
+            name=name,
+            primary_key=tuple(properties[PROP_PRIMARY_KEY].split(",")),
+            columns={n: type_from_text(t) for n, t in columns.items()},
+            watermark_policy=properties.get(PROP_WATERMARK_POLICY, DEFAULT_WATERMARK_POLICY),
+        )
 
     @property
     def cdc_identifier(self) -> str:
