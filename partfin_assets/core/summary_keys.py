@@ -12,6 +12,7 @@ EVENT_TIME_HEARTBEAT = "partfin.event-time.heartbeat"
 LATE_RECORDS = "partfin.late-records"
 WATERMARK = "partfin.watermark"
 # additions beyond DESIGN §4 (documented in the README)
+LATE_RECORDS_TOTAL = "partfin.late-records.total"  # running total over the table's history
 LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": count}
 REJECTED_RECORDS = "partfin.rejected-records"
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes

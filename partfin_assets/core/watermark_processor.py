@@ -7,10 +7,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import CommitStats, recent_commit_stats
+from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of
 from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes, late_records_by_hour
 from partfin_assets.core.timeutil import iso_z, parse_iso, to_us
 from partfin_assets.core.watermark import WatermarkPolicy, advance
@@ -38,6 +39,15 @@ def log_late_data(alert: LateDataAlert) -> None:
 def current_watermark_us(properties: dict[str, str]) -> int | None:
     value = properties.get(K.PROP_WATERMARK)
     return to_us(parse_iso(value)) if value else None
+
+
+def late_records_total(metadata: TableMetadata) -> int:
+    """Running total carried by the newest commit that recorded one (survives snapshot expiry)."""
+    for snapshot in lineage(metadata):
+        total = summary_of(snapshot).get(K.LATE_RECORDS_TOTAL)
+        if total is not None:
+            return int(total)
+    return 0
 
 
 class WatermarkProcessor(CommitProcessor):
@@ -68,7 +78,9 @@ class WatermarkProcessor(CommitProcessor):
         watermark = advance(previous, candidate)
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
-        ctx.summary[K.LATE_RECORDS] = str(sum(late.values()))
+        late_count = sum(late.values())
+        ctx.summary[K.LATE_RECORDS] = str(late_count)
+        ctx.summary[K.LATE_RECORDS_TOTAL] = str(late_records_total(metadata) + late_count)
         if late:
             ctx.summary[K.LATE_RECORDS_BY_HOUR] = json.dumps(late, separators=(",", ":"))
         if watermark is not None:

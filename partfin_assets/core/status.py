@@ -1,0 +1,68 @@
+"""What `partfin status` reports: read from table metadata only, never from data files."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchNamespaceError
+from pyiceberg.table import Table
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.history import lineage, summary_of
+from partfin_assets.core.timeutil import HOUR, iso_z, parse_iso
+from partfin_assets.core.watermark_processor import late_records_total
+
+
+@dataclass(frozen=True)
+class TableStatus:
+    name: str  # full identifier, e.g. cdc.orders
+    layer: str  # cdc | base
+    watermark: str | None
+    policy: str | None
+    checkpoint_id: int | None  # newest checkpoint on the table (any writer)
+    finalized_through: str | None  # the last finalized hour: watermark - 1h
+    late_records: int
+    snapshots: int
+    source_snapshot_id: int | None = None  # base tables: the CDC snapshot merged
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def table_status(identifier: str, table: Table) -> TableStatus:
+    properties = table.properties
+    watermark = properties.get(K.PROP_WATERMARK)
+    checkpoint_id = None
+    for snapshot in lineage(table.metadata):
+        value = summary_of(snapshot).get(K.CHECKPOINT_ID)
+        if value is not None:
+            checkpoint_id = int(value)
+            break
+    source_snapshot = properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
+    return TableStatus(
+        name=identifier,
+        layer=identifier.split(".")[0],
+        watermark=watermark,
+        policy=properties.get(K.PROP_WATERMARK_POLICY),
+        checkpoint_id=checkpoint_id,
+        finalized_through=iso_z(parse_iso(watermark) - HOUR) if watermark else None,
+        late_records=late_records_total(table.metadata),
+        snapshots=len(table.metadata.snapshots),
+        source_snapshot_id=int(source_snapshot) if source_snapshot else None,
+    )
+
+
+def all_table_status(catalog: Catalog) -> list[TableStatus]:
+    out = []
+    for namespace in ("cdc", "base"):
+        try:
+            identifiers = catalog.list_tables(namespace)
+        except NoSuchNamespaceError:
+            continue
+        for ident in sorted(identifiers):
+            name = ".".join(ident)
+            if name.endswith("__rejected"):
+                continue
+            out.append(table_status(name, catalog.load_table(name)))
+    return out

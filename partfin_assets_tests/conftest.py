@@ -1,0 +1,48 @@
+"""Shared fixtures: a real SqlCatalog on SQLite with a file warehouse in tmp_path."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.core.timeutil import to_us
+from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+T0_US = to_us(T0)
+MINUTE_US = 60_000_000
+HOUR_US = 3_600_000_000
+ORDERS = TableSpec("orders", ("id",), {"id": pa.int64(), "amount": pa.float64()})
+
+
+@pytest.fixture
+def catalog(tmp_path, monkeypatch):
+    monkeypatch.delenv("PARTFIN_CATALOG_URI", raising=False)
+    monkeypatch.delenv("PARTFIN_CATALOG", raising=False)
+    return load_partfin_catalog(tmp_path / "home")
+
+
+def change_batch(event_time_us, *, offset: str, seq_start: int = 0, keys=None, ops=None, heartbeat=None) -> ChangeBatch:
+    """CDC records with the given event times (epoch us); keys default to a spread over 50 ids."""
+    times = np.asarray(event_time_us, dtype=np.int64)
+    n = times.size
+    seqs = np.arange(seq_start, seq_start + n, dtype=np.int64)
+    keys = keys if keys is not None else [int(s % 50) for s in seqs]
+    ops = ops if ops is not None else ["u"] * n
+    records = pa.table(
+        {
+            "key": [json.dumps({"id": int(k)}, separators=(",", ":")) for k in keys],
+            "op": ops,
+            "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
+            "source_seq": seqs,
+            "payload": [None if op == "d" else json.dumps({"id": int(k), "amount": 1.5}) for k, op in zip(keys, ops)],
+        },
+        schema=CDC_RECORD_SCHEMA,
+    )
+    return ChangeBatch(records, offset=offset, heartbeat=heartbeat)
