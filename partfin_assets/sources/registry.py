@@ -1,0 +1,111 @@
+"""Build a CDC source from a one-line spec: `synthetic`, `synthetic:seed=7,rate=5,hours=24`, `debezium:PATH`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.core.timeutil import parse_iso
+from partfin_assets.sources.base import CdcSource
+from partfin_assets.sources.debezium import DebeziumFileSource
+from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
+
+_DURATION = re.compile(r"^(\d+(?:\.\d*)?)(s|m|h|d)?$")
+_DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", None: "seconds"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90`, `90s`, `20m`, `6h`, `1d` (a bare number is seconds)."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
+    return timedelta(**{_DURATION_UNITS[match.group(2)]: float(match.group(1))})
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _optional_duration(text: str) -> timedelta | None:
+    return None if text.strip().lower() in ("none", "off", "0") else parse_duration(text)
+
+
+_SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "seed": int,
+    "rate": float,
+    "hours": float,
+    "start": parse_iso,
+    "end": parse_iso,
+    "follow": parse_bool,
+    "key_space": int,
+    "delete_fraction": float,
+    "late_fraction": float,
+    "max_lateness": parse_duration,
+    "idle_every": _optional_duration,
+    "idle_for": parse_duration,
+    "heartbeat_every": parse_duration,
+}
+
+
+def make_source(
+    spec_text: str, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, **options: Any
+) -> CdcSource:
+    """The source described by spec_text for `table`; keyword options override those in the text."""
+    kind, _, argument = spec_text.strip().partition(":")
+    key_columns = _key_columns(primary_key)
+    if kind == "synthetic":
+        _check_orders_table(table, key_columns)
+        return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
+    if kind == "debezium":
+        if not argument:
+            raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
+        return DebeziumFileSource(argument, primary_key=key_columns, spec=table, **options)
+    raise ValueError(
+        f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]' or 'debezium:PATH'"
+    )
+
+
+def _key_columns(primary_key: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
+    if isinstance(primary_key, str):  # as given on the command line: "id,region"
+        primary_key = tuple(column.strip() for column in primary_key.split(",") if column.strip())
+    return tuple(primary_key) if primary_key else None
+
+
+def _check_orders_table(table: TableSpec, key_columns: tuple[str, ...] | None) -> None:
+    """The synthetic source produces `orders` rows; a table declared otherwise would not match them."""
+    for declared in (table.primary_key, key_columns or ORDERS_SPEC.primary_key):
+        if declared != ORDERS_SPEC.primary_key:
+            raise ValueError(f"the synthetic source keys rows by {ORDERS_SPEC.primary_key}, not by {declared}")
+    # Names only: a declaration read back from the catalog may spell the types differently (large_string).
+    if table.columns and set(table.columns) != set(ORDERS_SPEC.columns):
+        raise ValueError(
+            f"the synthetic source produces columns {list(ORDERS_SPEC.columns)}; table {table.name!r} declares "
+            f"{list(table.columns)} (use ORDERS_SPEC's columns)"
+        )
+
+
+def _parse_options(text: str, spec_text: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals:
+            raise ValueError(f"source {spec_text!r}: option {item!r} is not name=value")
+        parse = _SYNTHETIC_OPTIONS.get(name)
+        if parse is None:
+            raise ValueError(
+                f"source {spec_text!r}: unknown synthetic option {name!r}; known: {', '.join(_SYNTHETIC_OPTIONS)}"
+            )
+        try:
+            options[name] = parse(value.strip())
+        except ValueError as exc:
+            raise ValueError(f"source {spec_text!r}: option {name}: {exc}") from None
+    return options

@@ -1,0 +1,347 @@
+"""A deterministic synthetic CDC source for the demo table `orders`.
+
+The generator works in event time: events are generated one hour of event time
+(a "chunk") at a time from an anchor, each chunk from its own seeded random
+stream, so the stream depends only on (seed, anchor, options) and never on when
+or in which pieces it is read. Each event then gets an arrival time (event time
++ a heavy-tailed lateness) and the source emits events in arrival order, as a
+real change stream with out-of-order delivery would.
+
+Batches and heartbeats are cut on a grid of `heartbeat_every` cells of arrival
+time, anchored at the anchor: a batch never spans a whole cell with no arrivals
+(an idle cell), and every idle cell yields one empty batch whose heartbeat is the
+cell's end. That keeps heartbeats identical however the stream is split.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.core.timeutil import (
+    US_PER_HOUR,
+    US_PER_SECOND,
+    floor_hour_us,
+    from_us,
+    now_utc,
+    to_us,
+)
+from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.sources.keys import key_json_column
+
+ORDERS_SPEC = TableSpec(
+    name="orders",
+    primary_key=("id",),
+    columns={"id": pa.int64(), "user_id": pa.int64(), "amount": pa.float64(), "status": pa.string()},
+)
+ORDER_STATUSES = ("pending", "paid", "shipped", "delivered", "cancelled")
+
+CHUNK_US = US_PER_HOUR  # event time generated per random stream; fixed, it defines the stream
+_ARRIVAL = "arrival_us"
+_PENDING_SCHEMA = CDC_RECORD_SCHEMA.append(pa.field(_ARRIVAL, pa.int64(), nullable=False))
+_MEDIAN_LATENESS_S = 2.0
+_LATENESS_SIGMA = 1.5  # log-normal body: ~99.9% of on-time events arrive within ~4 minutes
+_LATE_TAIL_ALPHA = 1.5  # Pareto tail of the rare hours-late events
+
+
+def _us(duration: timedelta) -> int:
+    return round(duration.total_seconds() * US_PER_SECOND)
+
+
+def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
+    return -((-a) // b)
+
+
+@dataclass(frozen=True)
+class _Position:
+    """Where the emitted stream stands; serialized as the opaque offset."""
+
+    anchor_us: int  # event-time origin of the generator
+    emitted: int  # events emitted so far, in arrival order
+    clock_us: int  # arrival time of the last emitted event, or the last heartbeat
+
+    def to_offset(self) -> str:
+        return json.dumps(
+            {"anchor_us": self.anchor_us, "next": self.emitted, "clock_us": self.clock_us}, separators=(",", ":")
+        )
+
+    @classmethod
+    def from_offset(cls, offset: str) -> _Position:
+        try:
+            fields = json.loads(offset)
+            return cls(int(fields["anchor_us"]), int(fields["next"]), int(fields["clock_us"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not a synthetic-source offset: {offset!r} ({exc})") from exc
+
+
+class SyntheticSource:
+    """Insert/update/delete changes of `orders` rows, deterministic by seed.
+
+    Events are generated from an anchor: `start` if given, else `hours` before the
+    current hour (a replay, so a demo has finalized hours at once). With
+    follow=False the stream ends at `end` (default: now); with follow=True it
+    catches up to now, then keeps streaming paced by `clock`, sleeping with
+    `sleep` until the next events are due.
+
+    Each event's key is drawn uniformly from ids 1..key_space: a key that does not
+    exist is inserted, an existing one is deleted with probability
+    `delete_fraction` and updated otherwise, so deleted keys come back later.
+    Lateness (arrival - event time) is log-normal around a couple of seconds,
+    except for a fraction `late_fraction` of events that arrive hours late
+    (Pareto from one hour, capped at `max_lateness`). The last `idle_for` of every
+    `idle_every` of event time has no events.
+
+    `heartbeat` is the source's arrival clock: for a batch of events, the arrival
+    time of its last event; for an empty batch, the end of an idle cell of
+    `heartbeat_every`. Every event arriving before it has been emitted; later
+    events arrive at or after it, though their event times may be earlier (late
+    data). The offset is compact JSON {"anchor_us", "next" (events emitted, in
+    arrival order), "clock_us"}; resuming regenerates the same stream from the
+    anchor and skips what was emitted.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        rate: float = 10.0,
+        hours: float = 24.0,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        follow: bool = False,
+        key_space: int = 10_000,
+        delete_fraction: float = 0.1,
+        late_fraction: float = 0.001,
+        max_lateness: timedelta = timedelta(hours=6),
+        idle_every: timedelta | None = timedelta(hours=6),
+        idle_for: timedelta = timedelta(minutes=20),
+        heartbeat_every: timedelta = timedelta(minutes=1),
+        clock: Callable[[], datetime] = now_utc,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        if key_space < 1:
+            raise ValueError(f"key_space must be at least 1, got {key_space}")
+        for name, fraction in (("delete_fraction", delete_fraction), ("late_fraction", late_fraction)):
+            if not 0 <= fraction <= 1:
+                raise ValueError(f"{name} must be within [0, 1], got {fraction}")
+        if max_lateness < timedelta(hours=1):
+            raise ValueError(f"max_lateness must be at least one hour, got {max_lateness}")
+        if idle_every is not None and not timedelta(0) <= idle_for < idle_every:
+            raise ValueError(f"idle_for ({idle_for}) must be shorter than idle_every ({idle_every})")
+        if heartbeat_every <= timedelta(0):
+            raise ValueError(f"heartbeat_every must be positive, got {heartbeat_every}")
+        if follow and end is not None:
+            raise ValueError("a following source has no end")
+        self.seed = seed
+        self.rate = rate
+        self.follow = follow
+        self.key_space = key_space
+        self.delete_fraction = delete_fraction
+        self.late_fraction = late_fraction
+        self.max_lateness_us = _us(max_lateness)
+        self.idle_every_us = _us(idle_every) if idle_every is not None else None
+        self.idle_for_us = _us(idle_for)
+        self.heartbeat_every_us = _us(heartbeat_every)
+        self.end_us = to_us(end) if end is not None else None
+        self._clock = clock
+        self._sleep = sleep
+        if start is not None:
+            self.anchor_us = to_us(start)
+        else:
+            self.anchor_us = floor_hour_us(to_us(clock())) - round(hours * US_PER_HOUR)
+
+    def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
+        if max_records < 1:
+            raise ValueError(f"max_records must be at least 1, got {max_records}")
+        position = (
+            _Position.from_offset(start_offset)
+            if start_offset is not None
+            else _Position(self.anchor_us, emitted=0, clock_us=self.anchor_us)
+        )
+        end_us = self.end_us if self.end_us is not None else to_us(self._clock())
+        stream = _ArrivalStream(self, position.anchor_us)
+        stream.skip(position.emitted)
+        while True:
+            horizon_us = to_us(self._clock()) if self.follow else end_us
+            stream.generate_past(horizon_us)
+            batch = self._next_batch(stream, position, horizon_us, max_records)
+            if batch is not None:
+                position = _Position.from_offset(batch.offset)
+                yield batch
+                continue
+            if not self.follow:
+                return
+            wake_us = min(stream.next_arrival_us(), stream.generated_until_us, self._heartbeat_due_us(position))
+            self._sleep(max(wake_us - to_us(self._clock()), 0) / US_PER_SECOND)
+
+    def _heartbeat_due_us(self, position: _Position) -> int:
+        """End of the first whole cell after the clock: a heartbeat if no event arrives within it."""
+        cell = _ceil_div(position.clock_us - position.anchor_us, self.heartbeat_every_us) + 1
+        return position.anchor_us + cell * self.heartbeat_every_us
+
+    def _next_batch(
+        self, stream: _ArrivalStream, position: _Position, horizon_us: int, max_records: int
+    ) -> ChangeBatch | None:
+        heartbeat_us = self._heartbeat_due_us(position)
+        if heartbeat_us <= horizon_us and stream.next_arrival_us() > heartbeat_us:
+            return ChangeBatch(
+                records=CDC_RECORD_SCHEMA.empty_table(),
+                offset=_Position(position.anchor_us, position.emitted, heartbeat_us).to_offset(),
+                heartbeat=from_us(heartbeat_us),
+            )
+        arrivals = stream.arrivals_us()
+        due = int(np.searchsorted(arrivals, horizon_us, side="right"))
+        count = min(due, max_records, self._events_before_idle_cell(arrivals[:due], position))
+        if count == 0:
+            return None
+        records = stream.pop(count)
+        clock_us = int(arrivals[count - 1])
+        return ChangeBatch(
+            records=records,
+            offset=_Position(position.anchor_us, position.emitted + count, clock_us).to_offset(),
+            heartbeat=from_us(clock_us),
+        )
+
+    def _events_before_idle_cell(self, arrivals: np.ndarray, position: _Position) -> int:
+        cells = _ceil_div(arrivals - position.anchor_us, self.heartbeat_every_us)
+        clock_cell = _ceil_div(position.clock_us - position.anchor_us, self.heartbeat_every_us)
+        skipped_cell = np.flatnonzero(np.diff(cells, prepend=clock_cell) >= 2)
+        return int(skipped_cell[0]) if len(skipped_cell) else len(arrivals)
+
+    def _generate_chunk(self, chunk: int, anchor_us: int, first_seq: int, alive: np.ndarray) -> pa.Table:
+        """Events of event-time chunk `chunk` (one hour from the anchor), as pending rows.
+
+        `alive` (indexed by key id) carries which keys exist across chunks; it is updated.
+        """
+        rng = np.random.default_rng([self.seed, chunk])
+        chunk_start_us = anchor_us + chunk * CHUNK_US
+        count = rng.poisson(self.rate * CHUNK_US / US_PER_SECOND)
+        event_us = chunk_start_us + np.sort(rng.integers(0, CHUNK_US, count))
+        if self.idle_every_us is not None:
+            phase_us = (event_us - anchor_us) % self.idle_every_us
+            event_us = event_us[phase_us < self.idle_every_us - self.idle_for_us]
+        count = len(event_us)
+        ids = rng.integers(1, self.key_space + 1, count)
+        wants_delete = rng.random(count) < self.delete_fraction
+        lateness_us = self._draw_lateness_us(rng, count)
+        orders = pl.DataFrame(
+            {
+                "id": ids,
+                "user_id": rng.integers(1, max(self.key_space // 10, 1) + 1, count),
+                "amount": np.round(rng.lognormal(3.5, 1.0, count), 2),
+                "status": pl.Series(ORDER_STATUSES).gather(rng.integers(0, len(ORDER_STATUSES), count)),
+                "op": _assign_ops(ids, wants_delete, alive),
+            }
+        )
+        payload = orders.select(
+            pl.when(pl.col("op") != "d").then(pl.struct("id", "user_id", "amount", "status").struct.json_encode())
+        ).to_series()
+        return pa.table(
+            {
+                "key": key_json_column({"id": ids}),
+                "op": orders["op"].to_arrow().cast(pa.string()),
+                "event_time": pa.array(event_us, pa.int64()).cast(CDC_RECORD_SCHEMA.field("event_time").type),
+                "source_seq": pa.array(first_seq + np.arange(count), pa.int64()),
+                "payload": payload.to_arrow().cast(pa.string()),
+                _ARRIVAL: pa.array(event_us + lateness_us, pa.int64()),
+            },
+            schema=_PENDING_SCHEMA,
+        )
+
+    def _draw_lateness_us(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        on_time_s = rng.lognormal(np.log(_MEDIAN_LATENESS_S), _LATENESS_SIGMA, count)
+        hours_late_s = 3600.0 * (1.0 + rng.pareto(_LATE_TAIL_ALPHA, count))
+        is_late = rng.random(count) < self.late_fraction
+        lateness_us = np.round(np.where(is_late, hours_late_s, on_time_s) * US_PER_SECOND).astype(np.int64)
+        return np.minimum(lateness_us, self.max_lateness_us)
+
+
+def _assign_ops(key_ids: np.ndarray, wants_delete: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """Ops of events in generation order: insert a missing key, else delete or update it.
+
+    Vectorized per key: sorted by key (stable, so in generation order), a key is
+    alive after any non-delete event; through a run of delete-wanting events it
+    toggles (delete, re-insert, delete, ...). So a "segment" starts at a key's
+    first event or after a non-delete-wanting one, and an event's liveness is
+    the segment's starting liveness flipped once per event before it in the segment.
+    """
+    count = len(key_ids)
+    order = np.argsort(key_ids, kind="stable")
+    keys = key_ids[order]
+    wants = wants_delete[order]
+    first_of_key = np.ones(count, dtype=bool)
+    first_of_key[1:] = keys[1:] != keys[:-1]
+    segment_start = first_of_key.copy()
+    segment_start[1:] |= ~wants[:-1]
+    start_index = np.flatnonzero(segment_start)
+    segment = np.cumsum(segment_start) - 1
+    alive_at_start = np.where(first_of_key, alive[keys], True)[start_index]
+    alive_before = alive_at_start[segment] ^ ((np.arange(count) - start_index[segment]) % 2 == 1)
+    sorted_ops = np.where(~alive_before, "c", np.where(wants, "d", "u"))
+    last_of_key = np.ones(count, dtype=bool)
+    last_of_key[:-1] = first_of_key[1:]
+    alive[keys[last_of_key]] = ~(alive_before & wants)[last_of_key]
+    ops = np.empty(count, dtype=sorted_ops.dtype)
+    ops[order] = sorted_ops
+    return ops
+
+
+class _ArrivalStream:
+    """Generated but not yet emitted events, in arrival order.
+
+    Events with arrival before `generated_until_us` are all known (an event
+    arrives no earlier than its event time), so that prefix is final.
+    """
+
+    def __init__(self, source: SyntheticSource, anchor_us: int) -> None:
+        self._source = source
+        self._anchor_us = anchor_us
+        self._next_chunk = 0
+        self._next_seq = 0
+        self._alive = np.zeros(source.key_space + 1, dtype=bool)
+        self._pending = _PENDING_SCHEMA.empty_table()
+
+    @property
+    def generated_until_us(self) -> int:
+        return self._anchor_us + self._next_chunk * CHUNK_US
+
+    def generate_past(self, time_us: int) -> None:
+        while self.generated_until_us <= time_us:
+            self._generate_next_chunk()
+
+    def skip(self, count: int) -> None:
+        """Drop the first `count` events in arrival order (already emitted before a resume)."""
+        while count > 0:
+            self._generate_next_chunk()
+            final = int(np.searchsorted(self.arrivals_us(), self.generated_until_us, side="left"))
+            dropped = min(count, final)
+            self.pop(dropped)
+            count -= dropped
+
+    def arrivals_us(self) -> np.ndarray:
+        return self._pending.column(_ARRIVAL).to_numpy()
+
+    def next_arrival_us(self) -> int:
+        """Arrival of the next known event; events not generated yet arrive after generated_until_us."""
+        return int(self._pending[_ARRIVAL][0].as_py()) if self._pending.num_rows else self.generated_until_us
+
+    def pop(self, count: int) -> pa.Table:
+        records = self._pending.slice(0, count).select(CDC_RECORD_SCHEMA.names)
+        self._pending = self._pending.slice(count)
+        return records
+
+    def _generate_next_chunk(self) -> None:
+        chunk = self._source._generate_chunk(self._next_chunk, self._anchor_us, self._next_seq, self._alive)
+        self._next_chunk += 1
+        self._next_seq += chunk.num_rows
+        merged = pa.concat_tables([self._pending, chunk])
+        self._pending = merged.sort_by([(_ARRIVAL, "ascending"), ("source_seq", "ascending")]).combine_chunks()
