@@ -222,15 +222,6 @@ def test_synthetic_rejects_a_foreign_offset():
 
 # --- debezium -------------------------------------------------------------------------
 
-ORDERS_LINE = {
-    "before": None,
-    "after": {"id": 1, "user_id": 9, "amount": 3.5, "status": "paid"},
-    "source": {"ts_ms": 1714521600000, "db": "shop"},
-    "op": "c",
-    "ts_ms": 1714521600100,
-}
-
-
 def change(op: str, row: dict | None, ts_ms: int = 1714521600000, wrapped: bool = False, **extra) -> str:
     envelope = {
         "before": row if op == "d" else None,

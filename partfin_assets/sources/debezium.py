@@ -36,7 +36,6 @@ from partfin_assets.sources.keys import key_json_column
 Normalize = Callable[[Any], Any]
 
 _EPOCH_DATE = date(1970, 1, 1)
-_US_PER_DAY = 86_400 * US_PER_SECOND
 _CONNECT_TYPES = {
     "int8": pa.int8(),
     "int16": pa.int16(),
@@ -345,12 +344,12 @@ class DebeziumFileSource:
         )
         columns = self._schema_columns.get(signature)
         if columns is None:
-            columns = _Columns({}, {})
+            types, normalizers = {}, {}
             for field in fields:
                 typed = _from_connect_field(field)
                 if typed is not None and "field" in field:
-                    columns.types[field["field"]], columns.normalizers[field["field"]] = typed
-            self._schema_columns[signature] = columns
+                    types[field["field"]], normalizers[field["field"]] = typed
+            columns = self._schema_columns[signature] = _Columns(types, normalizers)
             self._discovered_types.update(columns.types)
         return columns
 

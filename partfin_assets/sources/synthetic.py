@@ -173,9 +173,9 @@ class SyntheticSource:
         while True:
             horizon_us = to_us(self._clock()) if self.follow else end_us
             stream.generate_past(horizon_us)
-            batch = self._next_batch(stream, position, horizon_us, max_records)
-            if batch is not None:
-                position = _Position.from_offset(batch.offset)
+            emitted = self._next_batch(stream, position, horizon_us, max_records)
+            if emitted is not None:
+                batch, position = emitted
                 yield batch
                 continue
             if not self.follow:
@@ -190,28 +190,24 @@ class SyntheticSource:
 
     def _next_batch(
         self, stream: _ArrivalStream, position: _Position, horizon_us: int, max_records: int
-    ) -> ChangeBatch | None:
+    ) -> tuple[ChangeBatch, _Position] | None:
+        """The next batch due by horizon_us and the position after it; None if nothing is due yet."""
         heartbeat_us = self._heartbeat_due_us(position)
         if heartbeat_us <= horizon_us and stream.next_arrival_us() > heartbeat_us:
-            return ChangeBatch(
-                records=CDC_RECORD_SCHEMA.empty_table(),
-                offset=_Position(position.anchor_us, position.emitted, heartbeat_us).to_offset(),
-                heartbeat=from_us(heartbeat_us),
-            )
+            after = _Position(position.anchor_us, position.emitted, heartbeat_us)
+            empty = CDC_RECORD_SCHEMA.empty_table()
+            return ChangeBatch(empty, after.to_offset(), heartbeat=from_us(heartbeat_us)), after
         arrivals = stream.arrivals_us()
-        due = int(np.searchsorted(arrivals, horizon_us, side="right"))
-        count = min(due, max_records, self._events_before_idle_cell(arrivals[:due], position))
+        due = min(int(np.searchsorted(arrivals, horizon_us, side="right")), max_records)
+        count = self._events_before_idle_cell(arrivals[:due], position)
         if count == 0:
             return None
-        records = stream.pop(count)
         clock_us = int(arrivals[count - 1])
-        return ChangeBatch(
-            records=records,
-            offset=_Position(position.anchor_us, position.emitted + count, clock_us).to_offset(),
-            heartbeat=from_us(clock_us),
-        )
+        after = _Position(position.anchor_us, position.emitted + count, clock_us)
+        return ChangeBatch(stream.pop(count), after.to_offset(), heartbeat=from_us(clock_us)), after
 
     def _events_before_idle_cell(self, arrivals: np.ndarray, position: _Position) -> int:
+        """How many of these arrivals come before the first cell with no arrival (a heartbeat goes there)."""
         cells = _ceil_div(arrivals - position.anchor_us, self.heartbeat_every_us)
         clock_cell = _ceil_div(position.clock_us - position.anchor_us, self.heartbeat_every_us)
         skipped_cell = np.flatnonzero(np.diff(cells, prepend=clock_cell) >= 2)
@@ -344,4 +340,4 @@ class _ArrivalStream:
         self._next_chunk += 1
         self._next_seq += chunk.num_rows
         merged = pa.concat_tables([self._pending, chunk])
-        self._pending = merged.sort_by([(_ARRIVAL, "ascending"), ("source_seq", "ascending")]).combine_chunks()
+        self._pending = merged.combine_chunks().sort_by([(_ARRIVAL, "ascending"), ("source_seq", "ascending")])
