@@ -1,0 +1,417 @@
+"""Hour partitions from table metadata: the pure logic under the Dagster layer (no Dagster import).
+
+Everything here reads snapshot summaries and table properties, never data files:
+
+- which hour partitions a checkpoint touched, with per-hour records and event-time
+  min/max/p50/p99 (`partfin.event-time.by-hour`, written by HourlyEventTimeAccumulator);
+- the same for the base table, merged over the CDC snapshots one upsert read;
+- which hours are finalized (`hour + 1h <= watermark`) and which are newly so;
+- late data per hour, with the commits that brought it;
+- watermark monotonicity across snapshots and the cursor the finalization sensor keeps.
+
+Hour keys are Dagster's hourly partition keys (`YYYY-MM-DD-HH:00`, UTC); the functions
+take and return epoch microseconds as everywhere else in core.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from fastdigest import TDigest
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.history import lineage, summary_of
+from partfin_assets.core.sink import Accumulator
+from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
+
+# Summary entry added by HourlyEventTimeAccumulator (an addition beyond DESIGN §4):
+# JSON {"<hour ISO Z>": {"n", "min", "max", "p50", "p99" (ISO Z), "c": [[mean_s, count], ...]}}
+EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
+# PyIceberg's per-partition summary entries of cdc.<table> (hidden partition `event_time_hour`)
+PARTITION_SUMMARY_PREFIX = "partitions.event_time_hour="
+BY_HOUR_LIMIT = 200  # like write.summary.partition-limit: a commit touching more hours omits the entry
+BY_HOUR_CENTROIDS = 12  # small digest per hour so that several commits merge into p50/p99 for base
+HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's HourlyPartitionsDefinition key format
+
+
+# --------------------------------------------------------------------------- hour keys
+
+
+def hour_key(hour_us: int) -> str:
+    return from_us(floor_hour_us(hour_us)).strftime(HOUR_KEY_FORMAT)
+
+
+def hour_from_key(key: str) -> int:
+    return to_us(datetime.strptime(key, HOUR_KEY_FORMAT).replace(tzinfo=UTC))
+
+
+def is_finalized(hour_us: int, watermark_us: int | None) -> bool:
+    """DESIGN §1: hour H is finalized when H + 1h <= W."""
+    return watermark_us is not None and floor_hour_us(hour_us) + US_PER_HOUR <= watermark_us
+
+
+# --------------------------------------------------------------------------- per-hour stats
+
+
+@dataclass(frozen=True)
+class HourStats:
+    """Records and event-time stats of one hour, as one commit (or several merged) wrote them."""
+
+    hour_us: int
+    records: int
+    min_us: int | None = None
+    max_us: int | None = None
+    p50_us: int | None = None
+    p99_us: int | None = None
+    late_records: int = 0
+    centroids: tuple[tuple[float, float], ...] = ()  # (mean epoch s, weight)
+
+
+class HourlyEventTimeAccumulator(Accumulator):
+    """Exact per-hour count/min/max/p50/p99 of a checkpoint's event times, plus a small digest per hour."""
+
+    name = "event-time-by-hour"
+
+    def __init__(self) -> None:
+        self._chunks: list[np.ndarray] = []
+
+    def add(self, records: pa.Table) -> None:
+        self._chunks.append(pc.cast(records.column("event_time"), pa.int64()).to_numpy())
+
+    def partial(self) -> np.ndarray:
+        return np.concatenate(self._chunks) if self._chunks else np.empty(0, dtype=np.int64)
+
+    @classmethod
+    def merge(cls, partials: Sequence[np.ndarray]) -> np.ndarray:
+        return np.concatenate(list(partials)) if partials else np.empty(0, dtype=np.int64)
+
+    @classmethod
+    def summary(cls, merged: np.ndarray) -> dict[str, str]:
+        by_hour = hour_stats_of(merged)
+        if not by_hour or len(by_hour) > BY_HOUR_LIMIT:
+            return {}
+        return {EVENT_TIME_BY_HOUR: encode_by_hour(by_hour)}
+
+
+def hour_stats_of(event_time_us: np.ndarray) -> list[HourStats]:
+    """Exact stats per hour of an array of event times (epoch us), hours ascending."""
+    if event_time_us.size == 0:
+        return []
+    times = np.sort(event_time_us.astype(np.int64))
+    hours = times // US_PER_HOUR * US_PER_HOUR
+    starts = np.flatnonzero(np.r_[True, hours[1:] != hours[:-1]])
+    ends = np.r_[starts[1:], times.size]
+    out = []
+    for start, end in zip(starts, ends):
+        chunk = times[start:end]
+        p50, p99 = np.quantile(chunk, [0.5, 0.99], method="inverted_cdf")
+        digest = TDigest.from_values(chunk.astype(np.float64) / US_PER_SECOND, max_centroids=BY_HOUR_CENTROIDS)
+        centroids = tuple((round(c["m"], 3), float(c["c"])) for c in digest.to_dict()["centroids"])
+        out.append(HourStats(int(hours[start]), int(chunk.size), int(chunk[0]), int(chunk[-1]), int(p50), int(p99), 0, centroids))
+    return out
+
+
+def encode_by_hour(stats: Iterable[HourStats]) -> str:
+    return json.dumps(
+        {
+            iso_z(s.hour_us): {
+                "n": s.records,
+                "min": iso_z(s.min_us),
+                "max": iso_z(s.max_us),
+                "p50": iso_z(s.p50_us),
+                "p99": iso_z(s.p99_us),
+                "c": [list(c) for c in s.centroids],
+            }
+            for s in stats
+        },
+        separators=(",", ":"),
+    )
+
+
+def decode_by_hour(text: str | None) -> dict[int, HourStats]:
+    if not text:
+        return {}
+    out = {}
+    for hour, entry in json.loads(text).items():
+        hour_us = to_us(parse_iso(hour))
+        out[hour_us] = HourStats(
+            hour_us,
+            int(entry["n"]),
+            to_us(parse_iso(entry["min"])),
+            to_us(parse_iso(entry["max"])),
+            to_us(parse_iso(entry["p50"])),
+            to_us(parse_iso(entry["p99"])),
+            0,
+            tuple((float(m), float(c)) for m, c in entry.get("c", [])),
+        )
+    return out
+
+
+def partition_counts(summary: Mapping[str, str]) -> dict[int, int]:
+    """Records added per hour partition, from PyIceberg's `partitions.event_time_hour=...` entries."""
+    out: dict[int, int] = {}
+    for key, value in summary.items():
+        if not key.startswith(PARTITION_SUMMARY_PREFIX):
+            continue
+        hour_text = key[len(PARTITION_SUMMARY_PREFIX) :]
+        if hour_text in ("null", ""):
+            continue
+        hour_us = to_us(datetime.strptime(hour_text, "%Y-%m-%d-%H").replace(tzinfo=UTC))
+        fields = dict(item.split("=", 1) for item in value.split(",") if "=" in item)
+        out[hour_us] = int(fields.get("added-records", "0"))
+    return out
+
+
+def late_by_hour(summary: Mapping[str, str]) -> dict[int, int]:
+    text = summary.get(K.LATE_RECORDS_BY_HOUR)
+    if not text:
+        return {}
+    return {to_us(parse_iso(hour)): int(count) for hour, count in json.loads(text).items()}
+
+
+def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
+    """The hour partitions one CDC checkpoint touched, with what its summary says about each.
+
+    Records come from the per-partition counts (or the by-hour entry); event-time stats from
+    the by-hour entry when present, else the commit-wide min/max clamped to the hour.
+    """
+    counts = partition_counts(summary)
+    by_hour = decode_by_hour(summary.get(EVENT_TIME_BY_HOUR))
+    late = late_by_hour(summary)
+    hours = sorted(set(counts) | set(by_hour))
+    if not hours and summary.get(K.EVENT_TIME_COUNT, "0") != "0" and K.EVENT_TIME_MIN in summary:
+        low = to_us(parse_iso(summary[K.EVENT_TIME_MIN]))
+        high = to_us(parse_iso(summary[K.EVENT_TIME_MAX]))
+        if floor_hour_us(low) == floor_hour_us(high):  # one hour: the commit's stats are the hour's
+            hours = [floor_hour_us(low)]
+            counts = {hours[0]: int(summary[K.EVENT_TIME_COUNT])}
+    out = []
+    for hour in hours:
+        entry = by_hour.get(hour)
+        if entry is not None:
+            out.append(HourStats(hour, counts.get(hour, entry.records), entry.min_us, entry.max_us, entry.p50_us, entry.p99_us, late.get(hour, 0), entry.centroids))
+            continue
+        low = high = None
+        if K.EVENT_TIME_MIN in summary:
+            low = max(to_us(parse_iso(summary[K.EVENT_TIME_MIN])), hour)
+            high = min(to_us(parse_iso(summary[K.EVENT_TIME_MAX])), hour + US_PER_HOUR - 1)
+        out.append(HourStats(hour, counts.get(hour, 0), low, high, None, None, late.get(hour, 0)))
+    return out
+
+
+def merge_hours(per_commit: Iterable[Iterable[HourStats]]) -> dict[int, HourStats]:
+    """Per-hour stats over several commits (the CDC snapshots one upsert merged)."""
+    grouped: dict[int, list[HourStats]] = {}
+    for commit in per_commit:
+        for stats in commit:
+            grouped.setdefault(stats.hour_us, []).append(stats)
+    out = {}
+    for hour, parts in sorted(grouped.items()):
+        if len(parts) == 1:
+            out[hour] = parts[0]
+            continue
+        lows = [p.min_us for p in parts if p.min_us is not None]
+        highs = [p.max_us for p in parts if p.max_us is not None]
+        p50 = p99 = None
+        centroids = [c for p in parts for c in p.centroids]
+        if centroids and all(p.centroids for p in parts):
+            digest = TDigest.from_dict({"max_centroids": BY_HOUR_CENTROIDS * 4, "centroids": [{"m": m, "c": c} for m, c in centroids]})
+            low, high = min(lows), max(highs)
+            p50 = min(max(int(round(digest.quantile(0.5) * US_PER_SECOND)), low), high)
+            p99 = min(max(int(round(digest.quantile(0.99) * US_PER_SECOND)), low), high)
+        out[hour] = HourStats(
+            hour,
+            sum(p.records for p in parts),
+            min(lows) if lows else None,
+            max(highs) if highs else None,
+            p50,
+            p99,
+            sum(p.late_records for p in parts),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- partition metadata
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """What one partition of cdc/<table> or base/<table> shows for one commit."""
+
+    table: str
+    hour_us: int
+    stats: HourStats
+    snapshot_id: int | None
+    watermark_us: int | None
+    committed_at_us: int  # the snapshot's commit time: lag is measured against it
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def partition_key(self) -> str:
+        return hour_key(self.hour_us)
+
+    @property
+    def finalized(self) -> bool:
+        return is_finalized(self.hour_us, self.watermark_us)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        """How far the watermark trails the commit (wall-clock) time, in seconds."""
+        if self.watermark_us is None:
+            return None
+        return round((self.committed_at_us - self.watermark_us) / US_PER_SECOND, 3)
+
+    def metadata(self) -> dict[str, Any]:
+        """Plain values (str/int/float/bool/None); the Dagster layer wraps them."""
+        s = self.stats
+        out: dict[str, Any] = {
+            "table": self.table,
+            "hour": iso_z(self.hour_us),
+            "records": s.records,
+            "event_time_min": iso_z(s.min_us) if s.min_us is not None else None,
+            "event_time_max": iso_z(s.max_us) if s.max_us is not None else None,
+            "event_time_p50": iso_z(s.p50_us) if s.p50_us is not None else None,
+            "event_time_p99": iso_z(s.p99_us) if s.p99_us is not None else None,
+            "watermark": iso_z(self.watermark_us) if self.watermark_us is not None else None,
+            "late_records": s.late_records,
+            "lag_seconds": self.lag_seconds,
+            "finalized": self.finalized,
+            "snapshot_id": self.snapshot_id,
+        }
+        out.update(self.extra)
+        return out
+
+
+def watermark_of(mapping: Mapping[str, str]) -> int | None:
+    """partfin.watermark of a snapshot summary or of table properties (same key)."""
+    value = mapping.get(K.WATERMARK)
+    return to_us(parse_iso(value)) if value else None
+
+
+def checkpoint_reports(table: str, summary: Mapping[str, str], snapshot_id: int | None, committed_at_us: int) -> list[PartitionReport]:
+    watermark = watermark_of(summary)
+    checkpoint = summary.get(K.CHECKPOINT_ID)
+    extra = {"checkpoint_id": int(checkpoint)} if checkpoint else {}
+    return [PartitionReport(table, h.hour_us, h, snapshot_id, watermark, committed_at_us, dict(extra)) for h in checkpoint_hours(summary)]
+
+
+def upsert_reports(
+    table: str,
+    cdc_summaries: Sequence[Mapping[str, str]],
+    hours_touched: Iterable[int],
+    base_snapshot_id: int | None,
+    watermark_us: int | None,
+    committed_at_us: int,
+    extra: Mapping[str, Any] | None = None,
+) -> list[PartitionReport]:
+    """Partitions of base/<table> one upsert changed, with the merged CDC commits' per-hour stats."""
+    merged = merge_hours(checkpoint_hours(s) for s in cdc_summaries)
+    out = []
+    for hour in sorted(set(hours_touched) | set(merged)):
+        stats = merged.get(hour, HourStats(hour, 0))
+        out.append(PartitionReport(table, hour, stats, base_snapshot_id, watermark_us, committed_at_us, dict(extra or {})))
+    return out
+
+
+# --------------------------------------------------------------------------- finalization
+
+
+@dataclass(frozen=True)
+class FinalizationCursor:
+    """The finalization sensor's cursor: the first hour not yet requested."""
+
+    next_hour_us: int
+
+    def encode(self) -> str:
+        return json.dumps({"next_hour": iso_z(self.next_hour_us)})
+
+    @classmethod
+    def decode(cls, text: str | None) -> FinalizationCursor | None:
+        if not text:
+            return None
+        return cls(to_us(parse_iso(json.loads(text)["next_hour"])))
+
+
+def newly_finalized(next_hour_us: int, watermark_us: int | None, limit: int | None = None) -> list[int]:
+    """Hours in [next_hour, watermark) in order (each finalized: H + 1h <= W), at most `limit`."""
+    if watermark_us is None:
+        return []
+    first = floor_hour_us(next_hour_us)
+    last = floor_hour_us(watermark_us) - US_PER_HOUR  # W is hour aligned; floor for safety
+    if last < first:
+        return []
+    count = (last - first) // US_PER_HOUR + 1
+    if limit is not None:
+        count = min(count, limit)
+    return [first + i * US_PER_HOUR for i in range(count)]
+
+
+# --------------------------------------------------------------------------- history-derived facts
+
+
+@dataclass(frozen=True)
+class LateCommit:
+    snapshot_id: int
+    sequence_number: int | None
+    committed_at_us: int
+    records: int
+
+
+@dataclass(frozen=True)
+class LateHour:
+    hour_us: int
+    records: int
+    commits: tuple[LateCommit, ...]
+
+
+def late_data(metadata) -> dict[int, LateHour]:
+    """Late records per hour over the retained CDC snapshots, with the commits that brought them."""
+    found: dict[int, list[LateCommit]] = {}
+    for snapshot in lineage(metadata):
+        for hour, count in late_by_hour(summary_of(snapshot)).items():
+            found.setdefault(hour, []).append(
+                LateCommit(snapshot.snapshot_id, snapshot.sequence_number, snapshot.timestamp_ms * 1000, count)
+            )
+    return {
+        hour: LateHour(hour, sum(c.records for c in commits), tuple(sorted(commits, key=lambda c: c.committed_at_us)))
+        for hour, commits in sorted(found.items())
+    }
+
+
+@dataclass(frozen=True)
+class WatermarkStep:
+    snapshot_id: int
+    watermark_us: int
+
+
+def watermark_regressions(history: Sequence[tuple[int, int]]) -> list[tuple[WatermarkStep, WatermarkStep]]:
+    """Pairs (earlier, later) of consecutive recorded watermarks where the later one is smaller."""
+    steps = [WatermarkStep(s, w) for s, w in history]
+    return [(a, b) for a, b in zip(steps, steps[1:]) if b.watermark_us < a.watermark_us]
+
+
+def late_after_run(late: Mapping[int, LateHour], hour_us: int, ran_with_sequence: int | None, ran_at_us: int) -> list[LateCommit]:
+    """Late commits into `hour` that the downstream run of that hour did not see.
+
+    A run that read base merged up to CDC sequence number S saw every commit with
+    sequence <= S; without sequence numbers, the run's start time decides.
+    """
+    entry = late.get(hour_us)
+    if entry is None:
+        return []
+    if ran_with_sequence is not None:
+        return [c for c in entry.commits if c.sequence_number is not None and c.sequence_number > ran_with_sequence]
+    return [c for c in entry.commits if c.committed_at_us > ran_at_us]
+
+
+def lag_seconds(watermark_us: int | None, now_us: int) -> float | None:
+    if watermark_us is None:
+        return None
+    return round((now_us - watermark_us) / US_PER_SECOND, 3)

@@ -1,0 +1,137 @@
+"""core/partitions.py: partition metadata, finalization and late data from summaries (no Dagster)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.history import lineage, summary_of, watermark_history
+from partfin_assets.core.partitions import (
+    EVENT_TIME_BY_HOUR,
+    FinalizationCursor,
+    HourlyEventTimeAccumulator,
+    checkpoint_hours,
+    checkpoint_reports,
+    decode_by_hour,
+    hour_from_key,
+    hour_key,
+    hour_stats_of,
+    is_finalized,
+    late_after_run,
+    late_data,
+    merge_hours,
+    newly_finalized,
+    partition_counts,
+    watermark_regressions,
+)
+from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, to_us
+from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
+
+H0 = to_us(datetime(2026, 1, 1, 10, tzinfo=UTC))
+MIN = 60_000_000
+
+
+def test_hour_keys_round_trip_in_dagster_format():
+    assert hour_key(H0 + 5 * MIN) == "2026-01-01-10:00"
+    assert hour_from_key("2026-01-01-10:00") == H0
+
+
+def test_finalized_when_hour_plus_one_is_at_most_watermark():
+    assert not is_finalized(H0, None)
+    assert not is_finalized(H0, H0 + US_PER_HOUR - 1)
+    assert is_finalized(H0, H0 + US_PER_HOUR)
+
+
+def test_newly_finalized_in_order_and_bounded():
+    assert newly_finalized(H0, H0) == []
+    assert newly_finalized(H0, H0 + 3 * US_PER_HOUR) == [H0, H0 + US_PER_HOUR, H0 + 2 * US_PER_HOUR]
+    assert newly_finalized(H0, H0 + 3 * US_PER_HOUR, limit=2) == [H0, H0 + US_PER_HOUR]
+    assert newly_finalized(H0, None) == []
+    cursor = FinalizationCursor(H0 + US_PER_HOUR)
+    assert FinalizationCursor.decode(cursor.encode()) == cursor
+    assert FinalizationCursor.decode(None) is None
+
+
+def test_hour_stats_are_exact_per_hour():
+    times = np.array([H0 + 10 * MIN, H0 + 20 * MIN, H0 + 30 * MIN, H0 + US_PER_HOUR + MIN])
+    stats = hour_stats_of(times)
+    assert [s.hour_us for s in stats] == [H0, H0 + US_PER_HOUR]
+    first = stats[0]
+    assert (first.records, first.min_us, first.max_us, first.p50_us) == (3, H0 + 10 * MIN, H0 + 30 * MIN, H0 + 20 * MIN)
+    summary = HourlyEventTimeAccumulator.summary(times)
+    decoded = decode_by_hour(summary[EVENT_TIME_BY_HOUR])
+    assert decoded[H0].records == 3 and decoded[H0].p99_us == H0 + 30 * MIN
+
+
+def test_merge_hours_sums_records_and_keeps_extremes():
+    a = hour_stats_of(np.array([H0 + MIN * i for i in range(10)]))
+    b = hour_stats_of(np.array([H0 + MIN * i for i in range(30, 50)]))
+    merged = merge_hours([a, b])[H0]
+    assert merged.records == 30
+    assert merged.min_us == H0 and merged.max_us == H0 + 49 * MIN
+    assert merged.min_us <= merged.p50_us <= merged.p99_us <= merged.max_us
+
+
+def test_partition_counts_parse_pyiceberg_entries():
+    summary = {
+        "partitions.event_time_hour=2026-01-01-10": "added-data-files=1,added-files-size=10,added-records=7",
+        "partitions.event_time_hour=2026-01-01-11": "added-records=2,added-data-files=1",
+        K.LATE_RECORDS_BY_HOUR: '{"2026-01-01T10:00:00Z":3}',
+    }
+    assert partition_counts(summary) == {H0: 7, H0 + US_PER_HOUR: 2}
+    hours = checkpoint_hours(summary)
+    assert [(h.hour_us, h.records, h.late_records) for h in hours] == [(H0, 7, 3), (H0 + US_PER_HOUR, 2, 0)]
+
+
+@pytest.fixture
+def written(tmp_path):
+    """cdc.orders written by the real writer with the per-hour accumulator: 6 hours, late data on."""
+    catalog = load_partfin_catalog(tmp_path / "home")
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    source = SyntheticSource(seed=3, rate=0.5, start=start, end=start + timedelta(hours=6), late_fraction=0.05, idle_every=None)
+    spec = dataclasses.replace(ORDERS_SPEC, watermark_policy="percentile:0.05:last:2")
+    writer = CdcWriter(catalog, spec, accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator])
+    results = list(writer.run(source, max_records=400))
+    return catalog, results
+
+
+def test_checkpoint_reports_from_real_commits(written):
+    catalog, results = written
+    table = catalog.load_table("cdc.orders")
+    total = 0
+    for result in results:
+        reports = checkpoint_reports("orders", result.summary, result.snapshot_id, 0)
+        total += sum(r.stats.records for r in reports)
+        for report in reports:
+            s = report.stats
+            assert s.records > 0
+            assert report.hour_us <= s.min_us <= s.p50_us <= s.p99_us <= s.max_us < report.hour_us + US_PER_HOUR
+            meta = report.metadata()
+            assert meta["hour"] == iso_z(report.hour_us) and meta["records"] == s.records
+            assert meta["finalized"] == is_finalized(report.hour_us, report.watermark_us)
+    assert total == sum(r.records for r in results)
+    assert watermark_regressions(watermark_history(table.metadata)) == []
+
+
+def test_late_data_per_hour_names_commits(written):
+    catalog, results = written
+    table = catalog.load_table("cdc.orders")
+    late = late_data(table.metadata)
+    assert late, "a 5% late fraction produces late records"
+    retained = [summary_of(s) for s in lineage(table.metadata)]  # expiry keeps the newest snapshots
+    expected = sum(int(summary.get(K.LATE_RECORDS, "0")) for summary in retained)
+    assert sum(h.records for h in late.values()) == expected
+    hour, entry = next(iter(late.items()))
+    first = entry.commits[0]
+    assert late_after_run(late, hour, ran_with_sequence=first.sequence_number - 1, ran_at_us=0) == list(entry.commits)
+    assert late_after_run(late, hour, ran_with_sequence=10**9, ran_at_us=0) == []
+
+
+def test_watermark_regressions_found():
+    assert watermark_regressions([(1, 10), (2, 20), (3, 15)])[0][1].snapshot_id == 3
