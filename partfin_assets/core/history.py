@@ -32,9 +32,9 @@ class CommitStats:
     stats: EventTimeStats  # empty for heartbeat-only commits
 
 
-def commit_stats(summary: dict[str, str], snapshot_id: int | None = None) -> CommitStats | None:
+def commit_stats(summary: dict[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
     """None for commits without event-time stats (compaction, deletes, overwrites, stat-less appends)."""
-    stats = EventTimeStats.from_summary(summary)
+    stats = EventTimeStats.from_summary(summary, with_digest=with_digest)
     if stats is None:
         return None
     if not stats.is_empty:
@@ -45,13 +45,13 @@ def commit_stats(summary: dict[str, str], snapshot_id: int | None = None) -> Com
     return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)
 
 
-def recent_commit_stats(metadata: TableMetadata, limit: int) -> list[CommitStats]:
+def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False) -> list[CommitStats]:
     """The last `limit` stats-bearing commits of the main branch, newest first."""
     found: list[CommitStats] = []
     if limit <= 0:
         return found
     for snapshot in lineage(metadata):
-        entry = commit_stats(summary_of(snapshot), snapshot.snapshot_id)
+        entry = commit_stats(summary_of(snapshot), snapshot.snapshot_id, with_digest=with_digest)
         if entry is not None:
             found.append(entry)
             if len(found) == limit:

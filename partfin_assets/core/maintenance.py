@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 
 from partfin_assets.core import summary_keys as K
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Retention:
-    keep_last: int = 20  # newest snapshots of main always kept
-    slack: int = 20  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
+    keep_last: int = 10  # newest snapshots of main always kept
+    slack: int = 10  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
 
     def __post_init__(self) -> None:
         if self.keep_last < 1 or self.slack < 0:
@@ -52,9 +52,11 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, lookback: in
     return keep
 
 
-def expire_snapshots(catalog: Catalog, identifier: str, retention: Retention, lookback: int) -> int:
-    """Expire what retention allows once enough piled up; returns how many snapshots were expired."""
-    table = catalog.load_table(identifier)
+def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
+    """Expire what retention allows once enough piled up; returns how many snapshots were expired.
+
+    `table` is the caller's freshly committed view of the table.
+    """
     snapshots = table.metadata.snapshots
     if len(snapshots) <= retention.keep_last + retention.slack:
         return 0
@@ -68,7 +70,7 @@ def expire_snapshots(catalog: Catalog, identifier: str, retention: Retention, lo
         # leaves expiry to the next checkpoint.
         table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
     except CommitFailedException:
-        log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", identifier)
+        log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
         return 0
     # A manifest list belongs to exactly one snapshot: gone with it.
     delete_files(table.io, [s.manifest_list for s in expired])

@@ -305,7 +305,7 @@ class CdcWriter:
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
         self._note_progress(records, heartbeat_us)
-        expire_snapshots(self.catalog, self.spec.cdc_identifier, self.retention, self._policy_lookback())
+        expire_snapshots(result.table, self.retention, self._policy_lookback())
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, summary_of(snapshot))
 
     def _write_subtasks(self, records: pa.Table) -> tuple[list[DataFile], dict[str, list[Any]]]:

@@ -73,7 +73,9 @@ class WatermarkProcessor(CommitProcessor):
             this_commit = [CommitStats(None, ctx.heartbeat_us, event_times.stats)]
         candidate = None
         if this_commit:  # a commit without stats leaves the watermark where it is
-            window = this_commit + recent_commit_stats(metadata, policy.lookback - 1)
+            window = this_commit + recent_commit_stats(
+                metadata, policy.lookback - 1, with_digest=policy.quantile is not None
+            )
             candidate = policy.candidate_us(window)
         watermark = advance(previous, candidate)
 

@@ -1,0 +1,137 @@
+"""Ingest benchmarks; every figure is a ratio against a baseline measured in the same run.
+
+    .venv/bin/python bench/bench_ingest.py [--records 400000] [--checkpoints 20] [--commits 1000]
+
+1. writer with the event-time accumulator and the watermark processor vs the same writer with none
+   (goal >= 0.95)
+2. writer vs a plain PyIceberg Table.append of the same Arrow data (the floor of this stack)
+3. accumulator update vs np.sort of the same event-time column
+4. commit latency after 10 vs after N checkpoints with the default retention (goal <= 1.5x)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+
+SPEC = TableSpec("bench", ("id",), {"id": pa.int64(), "amount": pa.float64()})
+T0_US = 1_790_000_000_000_000
+
+
+def make_batches(total: int, checkpoints: int, seed: int = 0) -> list[ChangeBatch]:
+    rng = np.random.default_rng(seed)
+    per = total // checkpoints
+    batches = []
+    for i in range(checkpoints):
+        ids = rng.integers(0, 100_000, per)
+        times = T0_US + (i * per + np.arange(per)) * 10_000 - (rng.pareto(1.5, per) * 5e6).astype(np.int64)
+        payload = pc.binary_join_element_wise('{"id":', pa.array(ids).cast(pa.string()), ',"amount":1.5}', "")
+        records = pa.table(
+            {
+                "key": pc.binary_join_element_wise('{"id":', pa.array(ids).cast(pa.string()), "}", ""),
+                "op": pa.array(["u"] * per),
+                "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
+                "source_seq": pa.array(np.arange(i * per, (i + 1) * per)),
+                "payload": payload,
+            },
+            schema=CDC_RECORD_SCHEMA,
+        )
+        batches.append(ChangeBatch(records, offset=str(i)))
+    return batches
+
+
+def timed_writer(home: Path, batches, **writer_args) -> float:
+    writer = CdcWriter(load_partfin_catalog(home), SPEC, **writer_args)
+    start = time.perf_counter()
+    for batch in batches:
+        writer.write_checkpoint(batch)
+    return time.perf_counter() - start
+
+
+def timed_plain_append(home: Path, batches) -> float:
+    catalog = load_partfin_catalog(home)
+    CdcWriter(catalog, SPEC, accumulators=[], processors=[])  # same table layout, created untimed
+    table = catalog.load_table(SPEC.cdc_identifier)
+    start = time.perf_counter()
+    for batch in batches:
+        table.append(batch.records.cast(table.schema().as_arrow()))
+    return time.perf_counter() - start
+
+
+def best_of(repeats: int, run) -> float:
+    return min(run(i) for i in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--records", type=int, default=400_000)
+    parser.add_argument("--checkpoints", type=int, default=20)
+    parser.add_argument("--commits", type=int, default=1000, help="checkpoints for the latency test")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    batches = make_batches(args.records, args.checkpoints)
+    results: dict[str, float] = {}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        # interleave the variants so machine noise hits both alike
+        with_stats, without, plain = [], [], []
+        for r in range(args.repeats):
+            with_stats.append(timed_writer(root / f"s{r}", batches))
+            without.append(timed_writer(root / f"n{r}", batches, accumulators=[], processors=[]))
+            plain.append(timed_plain_append(root / f"p{r}", batches))
+        eps = {name: args.records / min(t) for name, t in (("with", with_stats), ("none", without), ("plain", plain))}
+        results["events_per_s_with_stats_and_watermark"] = eps["with"]
+        results["events_per_s_no_extensions"] = eps["none"]
+        results["events_per_s_plain_table_append"] = eps["plain"]
+        results["ratio_stats_vs_none (goal >= 0.95)"] = eps["with"] / eps["none"]
+        results["ratio_writer_vs_plain_append"] = eps["with"] / eps["plain"]
+
+        column = pc.cast(batches[0].records.column("event_time"), pa.int64()).to_numpy()
+
+        def accumulate(_):
+            start = time.perf_counter()
+            accumulator = EventTimeAccumulator()
+            accumulator.add(batches[0].records)
+            accumulator.partial()
+            return time.perf_counter() - start
+
+        def sort(_):
+            start = time.perf_counter()
+            np.sort(column)
+            return time.perf_counter() - start
+
+        results["ratio_accumulator_vs_np_sort"] = best_of(20, accumulate) / best_of(20, sort)
+
+        tiny = make_batches(10 * (args.commits + 20), args.commits + 20, seed=1)
+        writer = CdcWriter(load_partfin_catalog(root / "latency"), SPEC)
+        latencies = []
+        for batch in tiny:
+            start = time.perf_counter()
+            writer.write_checkpoint(batch)
+            latencies.append(time.perf_counter() - start)
+        early = statistics.median(latencies[10:30])
+        late = statistics.median(latencies[-20:])
+        results["commit_ms_after_10"] = early * 1000
+        results[f"commit_ms_after_{args.commits}"] = late * 1000
+        results[f"ratio_commit_after_{args.commits}_vs_10 (goal <= 1.5)"] = late / early
+        results["snapshots_retained"] = len(writer.table.metadata.snapshots)
+
+    print(json.dumps({k: round(v, 3) for k, v in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

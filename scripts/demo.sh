@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set everything up and open the demo: Dagster UI on http://127.0.0.1:3000 with the synthetic
+# source replaying the last 24 hours and then streaming. Stop with Ctrl-C.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export PARTFIN_HOME=${PARTFIN_HOME:-$PWD/.partfin}
+export DAGSTER_HOME=${DAGSTER_HOME:-$PARTFIN_HOME/dagster}
+mkdir -p "$DAGSTER_HOME"
+cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# job control: dagster dev maps SIGTERM to its SIGINT handler only in its own process group
+set -m
+exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PARTFIN_PORT:-3000}"
