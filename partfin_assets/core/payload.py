@@ -1,0 +1,187 @@
+"""Typed columns from CDC JSON: the one place the payload-to-column mapping is declared.
+
+The mapping is derived from the table declaration (TableSpec.columns) and is the
+same for every table:
+
+| declared type           | JSON value in the payload                                   |
+|-------------------------|-------------------------------------------------------------|
+| bool                    | true / false                                                |
+| int32, int64            | integer number (int32 range-checked)                        |
+| float, double           | number                                                      |
+| string                  | string                                                      |
+| binary                  | base64 string                                               |
+| date32[day]             | "YYYY-MM-DD"                                                |
+| time64[us]              | "HH:MM:SS[.ffffff]"                                         |
+| timestamp[us, tz=UTC]   | ISO-8601 string with an offset or Z ("2024-05-01T12:00:00Z") |
+| timestamp[us]           | ISO-8601 string without an offset                           |
+| decimal128(p, s)        | decimal string ("12.30"); more than s fraction digits is rejected |
+
+Every declared column must be present in an after-image (JSON null is a value; a
+missing key is not), primary-key columns must not be null, and no lenient
+coercion happens (a number for a string column, "5" for an int column, 1.5 for
+an int column are all rejected). Fields not declared are ignored.
+
+Parsing is vectorized (Arrow's JSON reader with an explicit schema, then Arrow /
+polars casts). Only when a batch fails is it bisected, with the same vectorized
+decoder, down to the first offending record, so the error names its key and column.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping, Sequence
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+
+
+class UpsertPayloadError(ValueError):
+    """A CDC change that does not fit the declared columns of its table."""
+
+    def __init__(self, table: str, key: str | None, column: str | None, reason: str) -> None:
+        self.table = table
+        self.key = key
+        self.column = column
+        self.reason = reason
+        where = f"column {column!r}" if column else "payload"
+        super().__init__(f"table {table!r}, key {key}: {where}: {reason}")
+
+
+class _Unfit(Exception):
+    def __init__(self, column: str | None, reason: str) -> None:
+        super().__init__(reason)
+        self.column = column
+        self.reason = reason
+
+
+def carrier_type(data_type: pa.DataType) -> pa.DataType:
+    """The Arrow type the JSON reader decodes a declared column into (strict on JSON kinds)."""
+    if pa.types.is_boolean(data_type) or pa.types.is_string(data_type):
+        return data_type
+    if pa.types.is_integer(data_type):
+        return pa.int64()
+    if pa.types.is_floating(data_type):
+        return pa.float64()
+    if (
+        pa.types.is_binary(data_type)
+        or pa.types.is_date(data_type)
+        or pa.types.is_time(data_type)
+        or pa.types.is_timestamp(data_type)
+        or pa.types.is_decimal(data_type)
+    ):
+        return pa.string()
+    raise TypeError(f"no JSON mapping for column type {data_type}")
+
+
+def _convert(name: str, values: pa.Array, target: pa.DataType) -> pa.Array:
+    """Carrier -> declared type; raises _Unfit when any value does not fit."""
+    if values.type == target:
+        return values
+    try:
+        if pa.types.is_time(target):
+            series = pl.Series(name, values).str.to_time("%H:%M:%S%.f", strict=True)
+            return series.to_arrow().cast(target)
+        if pa.types.is_binary(target):
+            series = pl.Series(name, values).str.decode("base64", strict=True)
+            return series.to_arrow().cast(target)
+        return pc.cast(values, target, safe=True)
+    except (pa.ArrowException, pl.exceptions.PolarsError, ValueError) as exc:
+        raise _Unfit(name, f"value does not fit {target}: {str(exc).splitlines()[0]}") from exc
+
+
+def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> pa.Table:
+    """Decode JSON object texts into typed columns, or raise _Unfit (column None: not locatable yet)."""
+    n = len(texts)
+    names = list(columns)
+    if n == 0:
+        return pa.table({c: pa.array([], t) for c, t in columns.items()})
+    series = pl.Series("p", texts, dtype=pl.String)
+    if series.null_count():
+        raise _Unfit(None, "payload is null")
+    # Newlines are JSON whitespace outside strings (and invalid inside them): one record per line.
+    lines = series.str.replace_all(r"[\r\n]", " ")
+    if (lines.str.strip_chars() == "").any():
+        raise _Unfit(None, "payload is empty")
+    buffer = lines.str.join("\n").item().encode()
+    schema = pa.schema([pa.field(c, carrier_type(t)) for c, t in columns.items()])
+    try:
+        decoded = pj.read_json(
+            io.BytesIO(buffer),
+            read_options=pj.ReadOptions(use_threads=True, block_size=max(1 << 20, min(len(buffer) + 1, 1 << 28))),
+            parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowException, ValueError) as exc:
+        raise _Unfit(None, f"not a JSON object of the declared columns: {str(exc).splitlines()[0]}") from exc
+    if decoded.num_rows != n:
+        raise _Unfit(None, "not exactly one JSON object")
+    out = {}
+    for name in names:
+        values = decoded.column(name).combine_chunks()
+        out[name] = _convert(name, values, columns[name])
+        nulls = values.is_null()
+        if values.null_count:
+            if name in required:
+                raise _Unfit(name, "primary-key column is null")
+            # A null value is fine; a missing key is not. Look only at the null rows.
+            pattern = '"' + re.escape(name) + r'"\s*:'
+            present = pl.Series("p", texts.filter(nulls), dtype=pl.String).str.contains(pattern)
+            if not present.all():
+                raise _Unfit(name, "column missing from the payload")
+    return pa.table(out)
+
+
+def decode_columns(
+    table: str,
+    keys: pa.Array,
+    texts: pa.Array,
+    columns: Mapping[str, pa.DataType],
+    required: Sequence[str] = (),
+) -> pa.Table:
+    """Typed columns from JSON texts (one per change); UpsertPayloadError names the first bad change."""
+    keys = _plain(keys)
+    texts = _plain(texts)
+    try:
+        return _decode(texts, columns, required)
+    except _Unfit:
+        pass
+    index, column, reason = _locate(texts, columns, required)
+    raise UpsertPayloadError(table, keys[index].as_py(), column, reason)
+
+
+def _plain(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    return values.cast(pa.string())
+
+
+def _locate(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> tuple[int, str | None, str]:
+    """Bisect a failing batch down to its first failing record (error path only)."""
+    lo, hi = 0, len(texts)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            _decode(texts.slice(lo, mid - lo), columns, required)
+        except _Unfit:
+            hi = mid
+        else:
+            lo = mid
+    record = texts.slice(lo, 1)
+    try:
+        _decode(record, {}, ())
+    except _Unfit as exc:
+        return lo, None, exc.reason
+    # Which column: decode the record one declared column at a time.
+    first_reason = "does not decode"
+    for name, data_type in columns.items():
+        try:
+            _decode(record, {name: data_type}, [c for c in required if c == name])
+        except _Unfit as exc:
+            return lo, name, exc.reason
+    try:
+        _decode(record, columns, required)
+    except _Unfit as exc:
+        first_reason = exc.reason
+    return lo, None, first_reason
