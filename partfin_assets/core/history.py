@@ -15,8 +15,22 @@ from partfin_assets.core.timeutil import parse_iso, to_us
 
 
 def lineage(metadata: TableMetadata) -> Iterator[Snapshot]:
-    """Snapshots of the main branch, newest first (stops where expiry cut the chain)."""
-    return ancestors_of(metadata.current_snapshot(), metadata)
+    """Snapshots of the main branch, newest first.
+
+    Expiry removes snapshots from the middle of the chain while keeping older ones the
+    policy or a writer's resume position needs, and PyIceberg then clears the parent link
+    of the oldest survivor. So where the chain ends, the walk goes on with the retained
+    snapshots of lower sequence number (partfin commits only to main, so those were
+    main's ancestors).
+    """
+    last = None
+    for snapshot in ancestors_of(metadata.current_snapshot(), metadata):
+        last = snapshot
+        yield snapshot
+    if last is None:
+        return
+    older = [s for s in metadata.snapshots if s.sequence_number < last.sequence_number]
+    yield from sorted(older, key=lambda s: s.sequence_number, reverse=True)
 
 
 def summary_of(snapshot: Snapshot) -> dict[str, str]:
