@@ -149,7 +149,7 @@ class UpsertResult:
     watermark: str | None  # base watermark after this run
     hours_touched: list[str]  # hours (ISO Z) of `_event_time` of rows that appeared, changed or disappeared
     changes_read: int = 0
-    stale: int = 0  # changes older than the row already in base (late, superseded): ignored
+    stale: int = 0  # keys whose newest change in this run is older than the base row (late, superseded): ignored
     full_remerge: bool = False
     buckets_rewritten: int = 0
     files_removed: int = 0
@@ -370,15 +370,20 @@ def _plan(catalog: Catalog, spec: TableSpec) -> _Plan | None:
     if current is None or current.snapshot_id == previous_id:
         return None
     metadata = cdc.metadata
-    chain: list[int] = []
+    chain: list[Snapshot] = []
     reached = False
     for snapshot in ancestors_of(current, metadata):
         if snapshot.snapshot_id == previous_id:
             reached = True
             break
-        chain.append(snapshot.snapshot_id)
-    chain.reverse()
+        chain.append(snapshot)
     previous = metadata.snapshot_by_id(previous_id) if previous_id is not None else None
+    if not reached and previous is not None and previous.sequence_number < current.sequence_number:
+        # Expiry cut the parent chain between the tagged snapshot and now; the tagged snapshot
+        # itself is kept, and on an append-only table a file diff against it is still exact.
+        reached = True
+        chain = [s for s in chain if s.sequence_number > previous.sequence_number]
+    chain.reverse()
     files: list[DataFile] | None = None
     if reached and previous is not None:
         try:
@@ -404,7 +409,7 @@ def _plan(catalog: Catalog, spec: TableSpec) -> _Plan | None:
         previous_source_id=previous_id,
         cdc_metadata=metadata,
         cdc_snapshot=current,
-        merged_ids=chain,
+        merged_ids=[s.snapshot_id for s in chain],
         full=full,
         cdc_files=files,
         watermark=_max_watermark(base.properties.get(K.PROP_WATERMARK), _cdc_watermark(metadata, current)),
@@ -631,12 +636,6 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
     merge = _merge(plan, _winners(spec, changes))
     _crash("after-read", crash_hook)
 
-    data_files: list[DataFile] = []
-    if merge.rows is not None and merge.rows.num_rows:
-        data_files = list(
-            _dataframe_to_data_files(plan.base.metadata, merge.rows, plan.base.io, write_uuid=uuid.uuid4(), counter=itertools.count())
-        )
-    _crash("after-files", crash_hook)
 
     summary = {
         K.PROP_SOURCE_TABLE: spec.cdc_identifier,
@@ -670,9 +669,18 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
                 overwrite.append_data_file(data_file)
         return tx
 
+    data_files: list[DataFile] = []
     try:
+        if merge.rows is not None and merge.rows.num_rows:
+            for data_file in _dataframe_to_data_files(
+                plan.base.metadata, merge.rows, plan.base.io, write_uuid=uuid.uuid4(), counter=itertools.count()
+            ):
+                data_files.append(data_file)
+        _crash("after-files", crash_hook)
         result = commit_with_retry(catalog, spec.base_identifier, build)
     except BaseException:
+        # Nothing landed (an unknown outcome that did land is returned by commit_with_retry):
+        # a failed job leaves no files behind. Only a hard kill leaves orphans.
         delete_files(plan.base.io, [f.file_path for f in data_files])
         raise
     _crash("after-commit", crash_hook)
