@@ -1,0 +1,27 @@
+"""One table declaration -> its assets, checks, jobs and sensors."""
+
+from __future__ import annotations
+
+from dagster import Definitions
+
+from partfin_assets.defs.checks.watermark_checks import build_checks, build_checks_sensor
+from partfin_assets.defs.downstream.activity import build_activity_asset
+from partfin_assets.defs.finalization.sensor import build_finalization_sensor, finalized_spec
+from partfin_assets.defs.platform.sync import build_sync_job, build_sync_sensor, layer_specs
+from partfin_assets.defs.tables import PartfinTable
+
+
+def table_definitions(table: PartfinTable) -> Definitions:
+    sync_job = build_sync_job(table)
+    activity, activity_job = build_activity_asset(table)
+    checks, checks_job = build_checks(table)
+    return Definitions(
+        assets=[*layer_specs(table), finalized_spec(table), activity],
+        asset_checks=checks,
+        jobs=[sync_job, activity_job, checks_job],
+        sensors=[
+            build_sync_sensor(table, sync_job),
+            build_finalization_sensor(table, activity_job),
+            build_checks_sensor(table, checks_job),
+        ],
+    )

@@ -1,0 +1,206 @@
+"""cdc/<table> and base/<table>: the CDC writer and the upsert, run by Dagster on a short cadence.
+
+Both layers are stream-fed, so they are declared as hourly-partitioned asset specs and the
+sync job's ops report, per commit, a materialization for every hour partition the commit
+touched (records, event-time min/max/p50/p99, watermark, late records, lag, finalized).
+"""
+
+
+import os
+
+from dagster import (
+    AssetMaterialization,
+    AssetObservation,
+    AssetSpec,
+    DagsterRunStatus,
+    DefaultSensorStatus,
+    In,
+    Nothing,
+    OpExecutionContext,
+    Out,
+    RunRequest,
+    RunsFilter,
+    SensorEvaluationContext,
+    SkipReason,
+    job,
+    op,
+    sensor,
+)
+
+from partfin_assets.core.history import summary_of
+from partfin_assets.core.partitions import (
+    HourlyEventTimeAccumulator,
+    PartitionReport,
+    checkpoint_reports,
+    lag_seconds,
+    upsert_reports,
+    watermark_of,
+)
+from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.defs.metadata import dagster_metadata
+from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.tables import PartfinTable
+
+IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+
+
+def layer_specs(table: PartfinTable) -> list[AssetSpec]:
+    partitions = table.partitions_def()
+    return [
+        AssetSpec(
+            table.cdc_key,
+            description=f"cdc.{table.name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
+            f"Written by the `sync_{table.name}` job; every checkpoint reports the hours it touched.",
+            group_name="platform",
+            owners=[table.platform_owner],
+            kinds={"iceberg"},
+            partitions_def=partitions,
+            metadata={"iceberg_table": f"cdc.{table.name}", "watermark_policy": table.spec.watermark_policy},
+        ),
+        AssetSpec(
+            table.base_key,
+            deps=[table.cdc_key],
+            description=f"base.{table.name}: current state, upserted (last writer wins) from cdc.{table.name}; "
+            "carries the watermark of the CDC snapshot it merged.",
+            group_name="platform",
+            owners=[table.platform_owner],
+            kinds={"iceberg"},
+            partitions_def=partitions,
+            metadata={"iceberg_table": f"base.{table.name}", "primary_key": ",".join(table.spec.primary_key)},
+        ),
+    ]
+
+
+def _reportable(table: PartfinTable, report: PartitionReport, now_us: int) -> bool:
+    """Only hours that exist as partitions (from the start date up to the current hour)."""
+    return table.start_us <= report.hour_us <= floor_hour_us(now_us)
+
+
+def _log_reports(context: OpExecutionContext, table: PartfinTable, asset_key, reports: list[PartitionReport], now_us: int) -> int:
+    logged = 0
+    for report in reports:
+        if not _reportable(table, report, now_us):
+            context.log.warning(f"{asset_key.to_user_string()}: hour {iso_z(report.hour_us)} is outside the partitions; not reported")
+            continue
+        context.log_event(
+            AssetMaterialization(asset_key=asset_key, partition=report.partition_key, metadata=dagster_metadata(report.metadata()))
+        )
+        logged += 1
+    return logged
+
+
+def build_sync_job(table: PartfinTable):
+    name = table.name
+
+    @op(name=f"ingest_{name}", out=Out(Nothing), tags={"kind": "iceberg"})
+    def ingest(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource) -> None:
+        """Run the CDC writer: up to N checkpoints, one Iceberg commit each, from the committed offset."""
+        iceberg = catalog.load()
+        writer = CdcWriter(
+            iceberg,
+            table.spec,
+            writer_id=f"{name}-dagster",
+            subtasks=cdc_source.subtasks,
+            accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator],
+        )
+        try:
+            source = cdc_source.open(table)
+            checkpoints = 0
+            for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
+                checkpoints += 1
+                if result.snapshot_id is None:
+                    continue
+                snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
+                committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
+                reports = checkpoint_reports(name, result.summary, result.snapshot_id, committed_at)
+                logged = _log_reports(context, table, table.cdc_key, reports, committed_at)
+                context.log.info(
+                    f"checkpoint {result.checkpoint_id}: {result.records} records, {logged} hour partition(s), "
+                    f"watermark {result.summary.get('partfin.watermark')}, late {result.summary.get('partfin.late-records', '0')}"
+                )
+        finally:
+            writer.close()
+        watermark = watermark_of(writer.table.properties)
+        now_us = to_us(now_utc())
+        context.log_event(
+            AssetObservation(
+                asset_key=table.cdc_key,
+                metadata=dagster_metadata(
+                    {
+                        "watermark": iso_z(watermark) if watermark is not None else None,
+                        "watermark_lag_seconds": lag_seconds(watermark, now_us),
+                        "checkpoints_this_run": checkpoints,
+                    }
+                ),
+            )
+        )
+
+    @op(name=f"upsert_{name}", ins={"after": In(Nothing)}, tags={"kind": "iceberg"})
+    def upsert(context: OpExecutionContext, catalog: IcebergCatalogResource) -> None:
+        """Merge new CDC snapshots into base.<table>; report the base hours it changed."""
+        from partfin_assets.core.upsert import ensure_base_table, run_upsert
+
+        iceberg = catalog.load()
+        ensure_base_table(iceberg, table.spec)
+        result = run_upsert(iceberg, name)
+        context.log.info(result.describe())
+        if result.base_snapshot_id is None:
+            return
+        cdc = iceberg.load_table(f"cdc.{name}")
+        summaries = []
+        for snapshot_id in result.cdc_snapshot_ids_merged:
+            snapshot = cdc.metadata.snapshot_by_id(snapshot_id)
+            if snapshot is not None:
+                summaries.append(summary_of(snapshot))
+        base = iceberg.load_table(f"base.{name}")
+        snapshot = base.metadata.snapshot_by_id(result.base_snapshot_id)
+        committed_at = snapshot.timestamp_ms * 1000 if snapshot else 0
+        watermark = to_us(parse_iso(result.watermark)) if result.watermark else None
+        reports = upsert_reports(
+            name,
+            summaries,
+            [to_us(parse_iso(h)) for h in result.hours_touched],
+            result.base_snapshot_id,
+            watermark,
+            committed_at,
+            extra={
+                "cdc_snapshot_id": result.cdc_snapshot_id,
+                "run_inserted": result.inserted,
+                "run_updated": result.updated,
+                "run_deleted": result.deleted,
+            },
+        )
+        _log_reports(context, table, table.base_key, reports, committed_at)
+
+    @job(
+        name=f"sync_{name}",
+        description=f"CDC writer then upsert for {name}: commits checkpoints into cdc.{name}, merges them into base.{name}.",
+        tags={"partfin/table": name, "partfin/writer": f"cdc.{name}", "dagster/max_retries": "1"},
+    )
+    def sync_job():
+        upsert(after=ingest())
+
+    return sync_job
+
+
+def sync_enabled() -> bool:
+    return os.environ.get("PARTFIN_SYNC", "on").lower() not in ("off", "0", "false", "no")
+
+
+def build_sync_sensor(table: PartfinTable, sync_job):
+    @sensor(
+        name=f"sync_{table.name}_sensor",
+        job=sync_job,
+        minimum_interval_seconds=table.sync_interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING if sync_enabled() else DefaultSensorStatus.STOPPED,
+        description=f"Starts a sync run for {table.name} every {table.sync_interval_seconds}s unless one is queued or running.",
+    )
+    def sync_sensor(context: SensorEvaluationContext):
+        in_flight = context.instance.get_runs(filters=RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT), limit=1)
+        if in_flight:
+            return SkipReason(f"sync run {in_flight[0].run_id} is still {in_flight[0].status.value}")
+        return RunRequest()
+
+    return sync_sensor
+
