@@ -66,10 +66,13 @@ def _ingest(args: argparse.Namespace) -> int:
 
 def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
     """The table's declaration: the one stored with cdc.<table>, else the source's own or --primary-key."""
+    from partfin_assets.sources.registry import source_kind
+
+    kind = source_kind(args.source)
     identifier = f"cdc.{args.table}"
     if catalog.table_exists(identifier):
         return TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
-    if args.source.startswith("synthetic"):
+    if kind == "synthetic":
         from partfin_assets.sources.synthetic import ORDERS_SPEC
 
         return TableSpec(args.table, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)

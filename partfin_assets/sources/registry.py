@@ -55,22 +55,29 @@ _SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
 }
 
 
+def source_kind(spec_text: str) -> str:
+    """The kind named by a source spec; an unknown kind is an error naming the known ones."""
+    kind = spec_text.strip().partition(":")[0]
+    if kind not in ("synthetic", "debezium"):
+        raise ValueError(
+            f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]' or 'debezium:PATH'"
+        )
+    return kind
+
+
 def make_source(
     spec_text: str, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, **options: Any
 ) -> CdcSource:
     """The source described by spec_text for `table`; keyword options override those in the text."""
-    kind, _, argument = spec_text.strip().partition(":")
+    kind = source_kind(spec_text)
+    argument = spec_text.strip().partition(":")[2]
     key_columns = _key_columns(primary_key)
     if kind == "synthetic":
         _check_orders_table(table, key_columns)
         return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
-    if kind == "debezium":
-        if not argument:
-            raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
-        return DebeziumFileSource(argument, primary_key=key_columns, spec=table, **options)
-    raise ValueError(
-        f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]' or 'debezium:PATH'"
-    )
+    if not argument:
+        raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
+    return DebeziumFileSource(argument, primary_key=key_columns, spec=table, **options)
 
 
 def _key_columns(primary_key: str | tuple[str, ...] | None) -> tuple[str, ...] | None:

@@ -1,0 +1,62 @@
+"""The `partfin` command as users run it: real processes, real catalog, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+def partfin(home, *args, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
+    env.update({"PARTFIN_HOME": str(home), **(env_extra or {})})
+    return subprocess.run([sys.executable, "-m", "partfin_assets.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ingest_then_status_json(tmp_path):
+    source = "synthetic:seed=3,start=2026-11-01T00:00:00Z,end=2026-11-01T04:00:00Z,rate=0.5"
+    result = partfin(tmp_path, "ingest", "--table", "orders", "--source", source, "--checkpoint-records", "1000")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint" in result.stderr  # progress lines when not on a terminal
+    status = json.loads(partfin(tmp_path, "status", "--json").stdout)
+    (cdc,) = [t for t in status["tables"] if t["name"] == "cdc.orders"]
+    assert {"name", "watermark", "policy", "checkpoint_id", "late_records"} <= set(cdc)
+    assert cdc["policy"] == "min-of-last:3" and cdc["checkpoint_id"] >= 3
+    assert cdc["watermark"].endswith(":00:00Z")
+
+    again = partfin(tmp_path, "ingest", "--table", "orders", "--source", source)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(partfin(tmp_path, "status", "--json").stdout)["tables"][0]["checkpoint_id"] == cdc["checkpoint_id"]
+
+    text = partfin(tmp_path, "status").stdout
+    assert "cdc.orders" in text and cdc["watermark"] in text
+
+
+def test_debezium_ingest_needs_a_primary_key_for_a_new_table(tmp_path):
+    path = DATA / "debezium_wrapped.jsonl"
+    result = partfin(tmp_path, "ingest", "--table", "customers", "--source", f"debezium:{path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "partfin: error: cdc.customers does not exist yet: give its key with --primary-key COL[,COL]"
+    ]
+
+
+def test_unreachable_catalog_is_one_clear_line(tmp_path):
+    result = partfin(tmp_path, "status", env_extra={"PARTFIN_CATALOG_URI": "postgresql+psycopg://u:secret@127.0.0.1:1/none"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "cannot reach the Iceberg catalog at postgresql+psycopg://u:***@127.0.0.1:1/none" in lines[0]
+    assert "PARTFIN_CATALOG_URI" in lines[0] and "secret" not in lines[0]
+
+
+def test_unknown_table_and_bad_source_name_the_problem(tmp_path):
+    result = partfin(tmp_path, "upsert", "--table", "nope")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "cdc.nope" in result.stderr
+    result = partfin(tmp_path, "ingest", "--table", "orders", "--source", "kafka:topic")
+    assert result.returncode == 2 and "unknown source kind 'kafka'" in result.stderr
