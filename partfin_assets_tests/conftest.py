@@ -46,3 +46,12 @@ def change_batch(event_time_us, *, offset: str, seq_start: int = 0, keys=None, o
         schema=CDC_RECORD_SCHEMA,
     )
     return ChangeBatch(records, offset=offset, heartbeat=heartbeat)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One throwaway PostgreSQL 15 cluster (wal_level=logical) for the whole test session."""
+    from partfin_assets_tests.postgres_cluster import throwaway_cluster
+
+    with throwaway_cluster() as cluster:
+        yield cluster

@@ -1,0 +1,113 @@
+"""A throwaway PostgreSQL 15 cluster for tests: initdb in a temp dir, a free loopback port, stop by PID.
+
+Debian's server binaries come from `pg_config --bindir`. initdb refuses to run as root, so as
+root the cluster runs as the `postgres` system user.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PostgresCluster:
+    host: str
+    port: int
+    user: str
+    data_dir: Path
+    pid: int
+
+    def dsn(self, database: str = "postgres") -> str:
+        return f"host={self.host} port={self.port} user={self.user} dbname={database}"
+
+    def sqlalchemy_uri(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://{self.user}@{self.host}:{self.port}/{database}"
+
+    def create_database(self, name: str) -> None:
+        import psycopg
+
+        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def postgres_bindir() -> Path | None:
+    pg_config = shutil.which("pg_config")
+    if pg_config is None:
+        return None
+    bindir = Path(subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=True).stdout.strip())
+    return bindir if (bindir / "initdb").exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _as_cluster_user(command: list[str]) -> list[str]:
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+@contextmanager
+def throwaway_cluster(*, logical: bool = True) -> Iterator[PostgresCluster]:
+    bindir = postgres_bindir()
+    if bindir is None:
+        raise RuntimeError("PostgreSQL server binaries not found: install Debian's postgresql-15 (pg_config --bindir)")
+    # directly under /tmp: pytest's own temp dirs are private to root, the cluster user must reach it
+    root = Path(tempfile.mkdtemp(prefix="partfin-pg-"))
+    data_dir = root / "pgdata"
+    socket_dir = root / "sock"
+    socket_dir.mkdir(exist_ok=True)
+    user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    if os.geteuid() == 0:
+        for path in (root, socket_dir):
+            shutil.chown(path, "postgres", "postgres")
+    _run(_as_cluster_user([str(bindir / "initdb"), "-D", str(data_dir), "-U", user, "--auth=trust", "-E", "UTF8", "--no-sync"]))
+    port = free_port()
+    options = [
+        f"-c port={port}", "-c listen_addresses=127.0.0.1", f"-c unix_socket_directories={socket_dir}",
+        "-c fsync=off", "-c max_connections=100",
+    ]
+    if logical:
+        options += ["-c wal_level=logical", "-c max_replication_slots=10", "-c max_wal_senders=10"]
+    _run(_as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data_dir), "-l", str(root / "server.log"), "-w",
+                           "-o", " ".join(options), "start"]))
+    pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    try:
+        yield PostgresCluster("127.0.0.1", port, user, data_dir, pid)
+    finally:
+        stop_by_pid(pid)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
+
+
+def stop_by_pid(pid: int, timeout_s: float = 30.0) -> None:
+    """Fast shutdown (SIGINT to the postmaster), then SIGKILL if it does not go."""
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
