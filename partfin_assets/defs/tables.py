@@ -71,6 +71,23 @@ class PartfinTable:
         return HourlyPartitionsDefinition(start_date=self.start_key, end_offset=1, timezone="UTC")
 
 
+SENSOR_KINDS = ("sync", "finalize", "checks")
+
+
+def sensor_default_status(kind: str):
+    """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks) starts only those."""
+    from dagster import DefaultSensorStatus
+
+    wanted = os.environ.get("PARTFIN_SENSORS")
+    enabled = kind in SENSOR_KINDS if wanted is None else kind in {w.strip() for w in wanted.split(",")}
+    return DefaultSensorStatus.RUNNING if enabled else DefaultSensorStatus.STOPPED
+
+
+def sensor_interval(kind: str, declared: int) -> int:
+    """PARTFIN_<KIND>_INTERVAL (seconds) overrides a table's declared sensor interval (tests use short ones)."""
+    return int(os.environ.get(f"PARTFIN_{kind.upper()}_INTERVAL", declared))
+
+
 TABLES: list[PartfinTable] = [
     PartfinTable(
         # percentile policy: a few hours-late records must not hold the watermark back for hours

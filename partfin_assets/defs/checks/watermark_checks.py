@@ -12,7 +12,6 @@ from dagster import (
     AssetCheckSeverity,
     AssetRecordsFilter,
     AssetSelection,
-    DefaultSensorStatus,
     RunRequest,
     SensorEvaluationContext,
     asset_check,
@@ -27,7 +26,7 @@ from partfin_assets.core.partitions import hour_key, lag_seconds, late_after_run
 from partfin_assets.core.timeutil import iso_z, now_utc, to_us
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
-from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
 
@@ -201,8 +200,8 @@ def build_checks_sensor(table: PartfinTable, checks_job):
     @sensor(
         name=f"checks_{table.name}_sensor",
         job=checks_job,
-        minimum_interval_seconds=table.checks_interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=sensor_interval("checks", table.checks_interval_seconds),
+        default_status=sensor_default_status("checks"),
         description=f"Runs the watermark checks of {table.name} whenever cdc, base or the downstream asset changed.",
     )
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):

@@ -19,7 +19,6 @@ from dagster import (
     AssetKey,
     AssetMaterialization,
     AssetSpec,
-    DefaultSensorStatus,
     RunRequest,
     SensorEvaluationContext,
     SensorResult,
@@ -33,7 +32,7 @@ from partfin_assets.core.partitions import FinalizationCursor, hour_from_key, ho
 from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
-from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 
 MAX_HOURS_PER_TICK = 200
 
@@ -134,8 +133,8 @@ def build_finalization_sensor(table: PartfinTable, downstream_job):
     @sensor(
         name=f"finalize_{table.name}_sensor",
         job=downstream_job,
-        minimum_interval_seconds=table.finalization_interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=sensor_interval("finalize", table.finalization_interval_seconds),
+        default_status=sensor_default_status("finalize"),
         description=(
             f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
             f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes "

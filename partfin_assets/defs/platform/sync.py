@@ -6,14 +6,11 @@ touched (records, event-time min/max/p50/p99, watermark, late records, lag, fina
 """
 
 
-import os
-
 from dagster import (
     AssetMaterialization,
     AssetObservation,
     AssetSpec,
     DagsterRunStatus,
-    DefaultSensorStatus,
     In,
     Nothing,
     OpExecutionContext,
@@ -40,7 +37,7 @@ from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
 from partfin_assets.core.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
-from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
@@ -184,16 +181,12 @@ def build_sync_job(table: PartfinTable):
     return sync_job
 
 
-def sync_enabled() -> bool:
-    return os.environ.get("PARTFIN_SYNC", "on").lower() not in ("off", "0", "false", "no")
-
-
 def build_sync_sensor(table: PartfinTable, sync_job):
     @sensor(
         name=f"sync_{table.name}_sensor",
         job=sync_job,
-        minimum_interval_seconds=table.sync_interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING if sync_enabled() else DefaultSensorStatus.STOPPED,
+        minimum_interval_seconds=sensor_interval("sync", table.sync_interval_seconds),
+        default_status=sensor_default_status("sync"),
         description=f"Starts a sync run for {table.name} every {table.sync_interval_seconds}s unless one is queued or running.",
     )
     def sync_sensor(context: SensorEvaluationContext):

@@ -1,0 +1,123 @@
+"""Exactly once per finalized hour, against a real Dagster instance and `dagster-daemon`.
+
+The test drives the stream itself (CDC writer + upsert in this process, sync sensor off),
+runs the daemon, stops it mid-way while more hours finalize, restarts it, and checks:
+one successful downstream run per finalized hour, none for unfinalized hours, one
+`finalized/orders` event per finalized hour, and a run that failed once was retried
+(bounded, via run retries in dagster.yaml) without ever duplicating a success.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
+
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.partitions import HourlyEventTimeAccumulator, hour_key, newly_finalized, watermark_of
+from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.timeutil import iso_z, to_us
+from partfin_assets.core.upsert import ensure_base_table, run_upsert
+from partfin_assets.defs import devtools
+from partfin_assets.defs.tables import TABLES
+from partfin_assets.sources.synthetic import SyntheticSource
+
+pytestmark = pytest.mark.timeout(420)
+
+START = datetime(2026, 1, 1, tzinfo=UTC)
+JOB = "activity_orders_job"
+FINALIZED = AssetKey(["finalized", "orders"])
+FAIL_ONCE_HOUR = "2026-01-01-01:00"
+IN_FLIGHT = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
+
+
+def stream_until(home, end: datetime) -> int:
+    """Ingest the synthetic stream up to `end` and merge it into base; return the base watermark."""
+    spec = TABLES[0].spec
+    catalog = load_partfin_catalog(home)
+    source = SyntheticSource(seed=11, rate=0.3, start=START, end=end, late_fraction=0.002, idle_every=None)
+    writer = CdcWriter(catalog, spec, writer_id="test-stream", accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator])
+    try:
+        for _ in writer.run(source, max_records=500):
+            pass
+    finally:
+        writer.close()
+    ensure_base_table(catalog, spec)
+    run_upsert(catalog, spec.name)
+    return watermark_of(catalog.load_table(f"base.{spec.name}").properties)
+
+
+def downstream_runs(instance):
+    return instance.get_runs(filters=RunsFilter(job_name=JOB))
+
+
+def settled(instance, expected: list[str]):
+    runs = downstream_runs(instance)
+    if any(r.status in IN_FLIGHT for r in runs):
+        return False
+    succeeded = {r.tags.get("dagster/partition") for r in runs if r.status == DagsterRunStatus.SUCCESS}
+    return set(expected) <= succeeded
+
+
+def finalize_ticks(instance) -> int:
+    for state in instance.all_instigator_state():
+        if state.instigator_name == "finalize_orders_sensor":
+            return len(instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=10_000))
+    return 0
+
+
+def test_exactly_once_across_daemon_restart(tmp_path):
+    home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
+    env = devtools.dagster_env(
+        home, dagster_home,
+        PARTFIN_SENSORS="finalize",  # the test drives the stream; only the finalization sensor runs
+        PARTFIN_FINALIZE_INTERVAL="3",
+        PARTFIN_PARTITIONS_START="2026-01-01-00:00",
+        PARTFIN_FAIL_ONCE=f"orders:{FAIL_ONCE_HOUR}",
+    )
+    first_w = stream_until(home, START + timedelta(hours=4))
+    phase1 = [hour_key(h) for h in newly_finalized(to_us(START), first_w)]
+    assert FAIL_ONCE_HOUR in phase1, f"watermark {iso_z(first_w)} too low for the test"
+
+    instance = DagsterInstance.from_config(str(dagster_home))
+    proc = devtools.daemon(env, tmp_path / "daemon-1.log").start()
+    try:
+        devtools.wait_for(lambda: settled(instance, phase1), 240, f"runs of {phase1}", on_timeout=proc.log_tail)
+    finally:
+        proc.stop()
+
+    # the daemon is down while more hours finalize
+    second_w = stream_until(home, START + timedelta(hours=9))
+    expected = [hour_key(h) for h in newly_finalized(to_us(START), second_w)]
+    assert len(expected) >= len(phase1) + 2, f"{iso_z(first_w)} -> {iso_z(second_w)}"
+    assert not settled(instance, expected)
+
+    proc = devtools.daemon(env, tmp_path / "daemon-2.log").start()
+    try:
+        devtools.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
+        # let the sensor tick a few more times: nothing new may be requested
+        ticks = finalize_ticks(instance)
+        devtools.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
+        devtools.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
+    finally:
+        proc.stop()
+
+    runs = downstream_runs(instance)
+    by_status = Counter((r.tags.get("dagster/partition"), r.status) for r in runs)
+    successes = Counter(r.tags.get("dagster/partition") for r in runs if r.status == DagsterRunStatus.SUCCESS)
+    assert successes == Counter({key: 1 for key in expected}), by_status
+    assert {r.tags.get("dagster/partition") for r in runs} == set(expected)  # nothing for unfinalized hours
+    # hour order of the requests
+    first_runs = sorted((r for r in runs if "dagster/parent_run_id" not in r.tags), key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
+    assert [r.tags["dagster/partition"] for r in first_runs] == expected
+    # the injected failure was retried once by the daemon, with the same partition
+    failed = [r for r in runs if r.status == DagsterRunStatus.FAILURE]
+    assert [r.tags["dagster/partition"] for r in failed] == [FAIL_ONCE_HOUR]
+    retry = [r for r in runs if r.tags.get("dagster/parent_run_id") == failed[0].run_id]
+    assert len(retry) == 1 and retry[0].status == DagsterRunStatus.SUCCESS
+    # the runless finalization event: once per finalized hour, in hour order
+    events = instance.fetch_materializations(AssetRecordsFilter(asset_key=FINALIZED), limit=10_000, ascending=True).records
+    assert [e.partition_key for e in events] == expected
+    instance.dispose()
