@@ -118,6 +118,13 @@ def test_pipeline_in_process(env, monkeypatch):
     assert not replay.asset_events and [r.run_key for r in replay.run_requests] == [r.run_key for r in first.run_requests]
     assert len(_materializations(instance, finalized)) == len(keys)
 
+    # the downstream team's example (its own code location) computes from a finalized hour
+    from partfin_assets_tests.test_dagster_downstream_example import load_example
+
+    example = load_example()
+    revenue = example.defs.resolve_job_def("orders_revenue_hourly_job").execute_in_process(instance=instance, partition_key=keys[0])
+    assert revenue.success
+
     # downstream: a finalized hour runs; an open hour is refused at once, unless forced
     job = defs.resolve_job_def("activity_orders_job")
     ok = job.execute_in_process(instance=instance, partition_key=keys[0])
