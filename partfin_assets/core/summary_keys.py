@@ -17,6 +17,25 @@ LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": c
 REJECTED_RECORDS = "partfin.rejected-records"
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
+# the conflict layer (core/conflicts.py, DESIGN §6)
+JOB_ID = "partfin.job-id"  # the job that made the commit (caller-supplied, e.g. a Dagster run, or random)
+JOB_PARTITIONS = "partfin.job.partitions"  # JSON list of the partition paths a job targeted (omitted past 200)
+JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an UPDATE/DELETE or MERGE job read
+# compaction (core/compaction.py)
+COMPACTION_FILES_BEFORE = "partfin.compaction.files-before"
+COMPACTION_FILES_AFTER = "partfin.compaction.files-after"
+# replay / backfill of an hour (core/replay.py): stats of what the replay wrote, under its own keys,
+# so that the watermark policy skips the commit (it carries no partfin.event-time.* entries)
+REPLAY_HOUR = "partfin.replay.hour"
+REPLAY_RECORDS = "partfin.replay.records"  # records the hour holds after the replay
+REPLAY_REPLACED_RECORDS = "partfin.replay.replaced-records"  # records the hour held before (at the head it replaced)
+REPLAY_ADDED_RECORDS = "partfin.replay.added-records"  # records new to the hour (not there before, by key+source_seq)
+REPLAY_REMOVED_RECORDS = "partfin.replay.removed-records"  # records gone from the hour
+REPLAY_EVENT_TIME_MIN = "partfin.replay.event-time.min"
+REPLAY_EVENT_TIME_MAX = "partfin.replay.event-time.max"
+# privacy delete (core/privacy.py): never the keys themselves, only the request
+PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
+PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"
 
 # table properties
 PROP_WATERMARK = "partfin.watermark"

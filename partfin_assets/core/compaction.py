@@ -1,0 +1,170 @@
+"""Small-file compaction per partition: a MERGE job (DESIGN §6).
+
+A streaming writer leaves one small file per subtask per hour per checkpoint.
+Compaction reads the small files of a partition at the job's start snapshot,
+rewrites them into files of about `target_file_size_bytes`, and commits one
+overwrite snapshot that removes the old files and adds the new ones. As a MERGE
+job it fails with CommitConflictError when any commit after its start touched
+one of the partitions it rewrites; commits to other partitions do not matter.
+
+By default only finalized hours are compacted (hour + 1h <= watermark): the CDC
+writer still appends to the others, and every such append would make the
+compaction lose. The commit carries no event-time stats, so the watermark
+policy skips it, and rows are rewritten unchanged (same records, same values).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.manifest import DataFile
+from pyiceberg.transforms import HourTransform
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.commit import JobKind
+from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
+from partfin_assets.core.watermark_processor import current_watermark_us
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PartitionCompaction:
+    partition: str
+    files_before: int  # live files of the partition at the start snapshot
+    files_after: int
+    files_rewritten: int
+    bytes_rewritten: int
+    bytes_written: int
+    records: int
+
+
+@dataclass
+class CompactionResult:
+    table: str
+    job_id: str
+    snapshot_id: int | None  # None: nothing to compact
+    partitions: list[PartitionCompaction] = field(default_factory=list)
+    skipped_not_finalized: list[str] = field(default_factory=list)
+
+    @property
+    def files_before(self) -> int:
+        return sum(p.files_before for p in self.partitions)
+
+    @property
+    def files_after(self) -> int:
+        return sum(p.files_after for p in self.partitions)
+
+    def describe(self) -> str:
+        if self.snapshot_id is None:
+            return f"{self.table}: nothing to compact"
+        return (
+            f"{self.table}: compacted {len(self.partitions)} partition(s), files {self.files_before} -> {self.files_after} "
+            f"(snapshot {self.snapshot_id}, job {self.job_id})"
+        )
+
+
+def _hour_of_partition(table, partition: str) -> int | None:
+    """Start (us) of the hour a partition path names, if the table is partitioned by hour()."""
+    spec = table.metadata.spec()
+    if len(spec.fields) != 1 or not isinstance(spec.fields[0].transform, HourTransform):
+        return None
+    from datetime import UTC, datetime
+
+    from partfin_assets.core.timeutil import to_us
+
+    text = partition.split("=", 1)[1]
+    return to_us(datetime.strptime(text, "%Y-%m-%d-%H").replace(tzinfo=UTC))
+
+
+def plan_compaction(
+    files: dict[str, list[DataFile]], target_file_size_bytes: int, min_input_files: int
+) -> dict[str, list[DataFile]]:
+    """Per partition, the small files worth rewriting (at least `min_input_files` files below the target size)."""
+    out = {}
+    for partition, partition_files in files.items():
+        small = [f for f in partition_files if f.file_size_in_bytes < target_file_size_bytes * 3 // 4]
+        if len(small) >= max(2, min_input_files):
+            out[partition] = sorted(small, key=lambda f: f.file_path)
+    return out
+
+
+def compact(
+    catalog: Catalog,
+    identifier: str,
+    *,
+    partitions: Iterable[str] | None = None,
+    hours: Iterable[int] | None = None,
+    target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE,
+    min_input_files: int = 2,
+    finalized_only: bool = True,
+    sort_by: str | None = None,
+    job_id: str | None = None,
+    before_commit: Hook | None = None,
+) -> CompactionResult:
+    """Compact small files of `identifier`, per partition, in one MERGE commit.
+
+    `partitions` (paths like `event_time_hour=2026-11-01-00`) or `hours` (epoch us) restrict the
+    partitions looked at; by default all. `finalized_only` (hour-partitioned tables with a
+    watermark) keeps only hours with hour + 1h <= partfin.watermark at the start snapshot.
+    Raises CommitConflictError if a commit after the start touched a rewritten partition.
+    """
+    with Job.start(catalog, identifier, JobKind.MERGE, job_id=job_id, before_commit=before_commit) as job:
+        table = job.table
+        wanted: set[str] | None = None
+        if partitions is not None or hours is not None:
+            wanted = set(partitions or ())
+            wanted |= {hour_partition(table.metadata, h) for h in hours or ()}
+        files = live_files(table, job.start_snapshot_id, wanted)
+        result = CompactionResult(identifier, job.job_id, None)
+        if finalized_only:
+            watermark = current_watermark_us(table.properties)
+            for partition in list(files):
+                hour = _hour_of_partition(table, partition)
+                if hour is None:
+                    continue
+                if watermark is None or hour + 3_600_000_000 > watermark:
+                    result.skipped_not_finalized.append(partition)
+                    del files[partition]
+        plan = plan_compaction(files, target_file_size_bytes, min_input_files)
+        if not plan:
+            job.abort()
+            return result
+        removed: list[DataFile] = []
+        added: list[DataFile] = []
+        for partition, small in sorted(plan.items()):
+            rows = read_files(table, small)
+            if sort_by is not None:
+                rows = rows.sort_by(sort_by)
+            new_files = job.write(rows, target_file_size_bytes=target_file_size_bytes)
+            records_in = sum(f.record_count for f in small)
+            records_out = sum(f.record_count for f in new_files)
+            if records_in != records_out or rows.num_rows != records_in:
+                raise RuntimeError(f"{identifier} {partition}: compaction read {rows.num_rows} of {records_in} records, wrote {records_out}")
+            removed += small
+            added += new_files
+            result.partitions.append(
+                PartitionCompaction(
+                    partition, len(files[partition]), len(files[partition]) - len(small) + len(new_files), len(small),
+                    sum(f.file_size_in_bytes for f in small), sum(f.file_size_in_bytes for f in new_files), records_in,
+                )
+            )
+        summary = {
+            K.COMPACTION_FILES_BEFORE: str(sum(p.files_before for p in result.partitions)),
+            K.COMPACTION_FILES_AFTER: str(sum(p.files_after for p in result.partitions)),
+        }
+        committed = job.commit_replace(removed, added, summary)
+        result.snapshot_id = committed.snapshot_id
+        log.info("%s", result.describe())
+        return result
+
+
+def files_per_partition(catalog: Catalog, identifier: str) -> dict[str, int]:
+    """Live data files per partition at the head (for reports and tests)."""
+    table = catalog.load_table(identifier)
+    return {p: len(f) for p, f in sorted(live_files(table).items())}
