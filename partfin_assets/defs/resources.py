@@ -30,7 +30,9 @@ class CdcSourceResource(ConfigurableResource):
 
     source: str | None = None
     max_records: int = 20_000  # records per checkpoint (one Iceberg commit)
-    max_checkpoints_per_run: int = 10
+    max_checkpoints_per_run: int = 500
+    max_seconds_per_run: float = 45.0  # a run stops after the checkpoint that crosses this budget
+    heartbeat_interval_seconds: float = 300.0  # an idle source commits a heartbeat checkpoint this often
     subtasks: int = 2
 
     def open(self, table) -> CdcSource:
@@ -49,6 +51,7 @@ def resources_from_env() -> dict:
         "cdc_source": CdcSourceResource(
             source=os.environ.get("PARTFIN_SOURCE") or None,
             max_records=int(os.environ.get("PARTFIN_MAX_RECORDS", "20000")),
-            max_checkpoints_per_run=int(os.environ.get("PARTFIN_MAX_CHECKPOINTS_PER_RUN", "10")),
+            max_checkpoints_per_run=int(os.environ.get("PARTFIN_MAX_CHECKPOINTS_PER_RUN", "500")),
+            max_seconds_per_run=float(os.environ.get("PARTFIN_MAX_SECONDS_PER_RUN", "45")),
         ),
     }

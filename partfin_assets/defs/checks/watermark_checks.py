@@ -16,6 +16,7 @@ from dagster import (
     SensorEvaluationContext,
     asset_check,
     define_asset_job,
+    in_process_executor,
     sensor,
 )
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
@@ -190,6 +191,7 @@ def build_checks(table: PartfinTable):
     checks_job = define_asset_job(
         f"checks_{name}",
         selection=AssetSelection.checks(*checks),
+        executor_def=in_process_executor,
         tags={"partfin/table": name, "partfin/layer": "checks"},
         description=f"Evaluates the watermark checks of {name} (metadata only).",
     )

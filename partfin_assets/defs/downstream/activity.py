@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import polars as pl
-from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset, define_asset_job
+from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset, define_asset_job, in_process_executor
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
 from partfin_assets.core import summary_keys as K
@@ -124,7 +124,8 @@ def build_activity_asset(table: PartfinTable):
     job = define_asset_job(
         f"activity_{name}_job",
         selection=[table.activity_key],
-        tags={"partfin/table": name, "partfin/layer": "downstream"},
+        executor_def=in_process_executor,  # one process per run: a run is one small step
+        tags={"partfin/table": name, "partfin/downstream": name},
         description=f"One finalized hour of {table.activity_key.to_user_string()}; launched by finalize_{name}_sensor.",
     )
     return activity, job

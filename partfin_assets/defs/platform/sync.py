@@ -5,6 +5,7 @@ sync job's ops report, per commit, a materialization for every hour partition th
 touched (records, event-time min/max/p50/p99, watermark, late records, lag, finalized).
 """
 
+import time
 
 from dagster import (
     AssetMaterialization,
@@ -19,6 +20,7 @@ from dagster import (
     RunsFilter,
     SensorEvaluationContext,
     SkipReason,
+    in_process_executor,
     job,
     op,
     sensor,
@@ -99,13 +101,18 @@ def build_sync_job(table: PartfinTable):
             table.spec,
             writer_id=f"{name}-dagster",
             subtasks=cdc_source.subtasks,
+            heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
             accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator],
         )
         try:
             source = cdc_source.open(table)
             checkpoints = 0
+            started = time.monotonic()
             for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
                 checkpoints += 1
+                if time.monotonic() - started > cdc_source.max_seconds_per_run:
+                    context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
+                    break
                 if result.snapshot_id is None:
                     continue
                 snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
@@ -172,8 +179,9 @@ def build_sync_job(table: PartfinTable):
 
     @job(
         name=f"sync_{name}",
+        executor_def=in_process_executor,
         description=f"CDC writer then upsert for {name}: commits checkpoints into cdc.{name}, merges them into base.{name}.",
-        tags={"partfin/table": name, "partfin/writer": f"cdc.{name}", "dagster/max_retries": "1"},
+        tags={"partfin/table": name, "partfin/writer": f"cdc.{name}", "dagster/max_retries": "1", "dagster/priority": "10"},
     )
     def sync_job():
         upsert(after=ingest())
