@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ingest = commands.add_parser("ingest", help="stream a CDC source into cdc.<table>, one checkpoint per batch")
     ingest.add_argument("--table", required=True, help="table name: writes cdc.<table>")
-    ingest.add_argument("--source", required=True, help="synthetic[:opt=value,...] | debezium:PATH")
+    ingest.add_argument("--source", required=True, help="synthetic[:opt=value,...] | debezium:PATH | postgres:DSN[#schema.table]")
     ingest.add_argument("--primary-key", help="primary-key column(s), comma separated (debezium)")
     ingest.add_argument("--checkpoint-records", type=int, default=10_000, help="records per checkpoint (default 10000)")
     ingest.add_argument("--subtasks", type=int, default=1, help="parallel writer subtasks (default 1)")
@@ -76,6 +76,10 @@ def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
         from partfin_assets.sources.synthetic import ORDERS_SPEC
 
         return TableSpec(args.table, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
+    if kind == "postgres":  # key and column types from the database table
+        from partfin_assets.sources.registry import postgres_table_spec
+
+        return postgres_table_spec(args.source, args.table, args.primary_key)
     if not args.primary_key:
         raise ValueError(f"{identifier} does not exist yet: give its key with --primary-key COL[,COL]")
     return TableSpec(args.table, tuple(c.strip() for c in args.primary_key.split(",") if c.strip()))

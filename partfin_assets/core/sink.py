@@ -389,12 +389,20 @@ class CdcWriter:
         max_checkpoints: int | None = None,
         on_checkpoint: Callable[[CheckpointResult], None] | None = None,
     ) -> Iterator[CheckpointResult]:
-        """Commit one checkpoint per source batch, resuming after the last committed offset."""
+        """Commit one checkpoint per source batch, resuming after the last committed offset.
+
+        A source with an `on_committed(offset)` method (e.g. a replication slot that may only
+        move past committed changes) is told each offset once its checkpoint commit landed,
+        before the next batch is asked for. Skipped and duplicate batches are not reported.
+        """
         committed = 0
+        on_committed = getattr(source, "on_committed", None)
         for batch in source.batches(self.resume_offset, max_records):
             result = self.write_checkpoint(batch)
             if result.snapshot_id is None and not result.duplicate:
                 continue
+            if on_committed is not None and result.snapshot_id is not None:
+                on_committed(batch.offset)
             committed += 1
             if on_checkpoint is not None:
                 on_checkpoint(result)

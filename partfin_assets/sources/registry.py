@@ -1,4 +1,12 @@
-"""Build a CDC source from a one-line spec: `synthetic`, `synthetic:seed=7,rate=5,hours=24`, `debezium:PATH`."""
+"""Build a CDC source from a one-line spec: `synthetic`, `synthetic:seed=7,rate=5,hours=24`, `debezium:PATH`, `postgres:DSN`.
+
+`postgres:DSN[#[schema.]table][,option=value,...]` reads a PostgreSQL table's changes through
+logical decoding (sources/postgres.py). DSN is a libpq connection string or URI
+(`host=db port=5432 user=cdc dbname=shop` or `postgresql://cdc@db/shop`). The source table
+defaults to `public.<--table>`; a `#` fragment names another one and options:
+`slot=NAME` (default partfin_<table>), `heartbeat_interval=10s`, `heartbeat_settle=5s`,
+`poll_interval=0.5s`. Example: `postgres:postgresql://cdc@db/shop#sales.orders,slot=orders_cdc`.
+"""
 
 from __future__ import annotations
 
@@ -58,9 +66,10 @@ _SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
 def source_kind(spec_text: str) -> str:
     """The kind named by a source spec; an unknown kind is an error naming the known ones."""
     kind = spec_text.strip().partition(":")[0]
-    if kind not in ("synthetic", "debezium"):
+    if kind not in ("synthetic", "debezium", "postgres"):
         raise ValueError(
-            f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]' or 'debezium:PATH'"
+            f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]', 'debezium:PATH'"
+            " or 'postgres:DSN[#schema.table]'"
         )
     return kind
 
@@ -75,9 +84,48 @@ def make_source(
     if kind == "synthetic":
         _check_orders_table(table, key_columns)
         return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
+    if kind == "postgres":
+        return _postgres_source(argument, spec_text, table.name, key_columns or table.primary_key, options)
     if not argument:
         raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
     return DebeziumFileSource(argument, primary_key=key_columns, spec=table, **options)
+
+
+_POSTGRES_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "slot": str,
+    "heartbeat_interval": lambda text: parse_duration(text).total_seconds(),
+    "heartbeat_settle": lambda text: parse_duration(text).total_seconds(),
+    "poll_interval": lambda text: parse_duration(text).total_seconds(),
+}
+
+
+def _postgres_source(
+    argument: str, spec_text: str, table_name: str, key_columns: tuple[str, ...] | None, options: dict[str, Any]
+) -> CdcSource:
+    from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
+
+    dsn, source_table, text_options = parse_postgres_spec(argument, table_name)
+    if not dsn:
+        raise ValueError(f"source {spec_text!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
+    parsed: dict[str, Any] = {}
+    for name, value in text_options.items():
+        parse = _POSTGRES_OPTIONS.get(name)
+        if parse is None:
+            raise ValueError(f"source {spec_text!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
+        try:
+            parsed[name] = parse(value)
+        except ValueError as exc:
+            raise ValueError(f"source {spec_text!r}: option {name}: {exc}") from None
+    return PostgresSource(dsn, source_table, primary_key=key_columns, **{**parsed, **options})
+
+
+def postgres_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None) -> TableSpec:
+    """The declaration of cdc.<table_name> read from the PostgreSQL table a `postgres:` spec names."""
+    source = _postgres_source(spec_text.strip().partition(":")[2], spec_text, table_name, _key_columns(primary_key), {})
+    try:
+        return source.table_spec(table_name)
+    finally:
+        source.close()
 
 
 def _key_columns(primary_key: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
