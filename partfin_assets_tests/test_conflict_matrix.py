@@ -1,0 +1,247 @@
+"""DESIGN §6 conflict matrix, every cell, same and different partition, on SQLite and PostgreSQL catalogs.
+
+Each case races two real jobs on one table from two threads. The *later* job starts
+first (reads its start snapshot, writes its files) and parks at a barrier just before
+its commit; the *earlier* job then runs to completion; the later job is released and
+commits (or fails). So "earlier/later" is the order of finishing, deterministically.
+Outcome, conflict error, final table content row by row, leftover files and the
+watermark are all checked.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.catalog import CatalogConfig
+from partfin_assets.core.commit import JobKind
+from partfin_assets.core.compaction import compact, files_per_partition
+from partfin_assets.core.conflicts import CommitConflictError, hour_partition
+from partfin_assets.core.history import watermark_history
+from partfin_assets.core.maintenance import Retention, list_table_files, referenced_files
+from partfin_assets.core.privacy import cdc_key_filter, delete_where
+from partfin_assets.core.replay import replay_hour
+from partfin_assets.core.sink import CdcWriter, CommitProcessor
+from partfin_assets.core.watermark_processor import WatermarkProcessor
+from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
+
+KINDS = [JobKind.OVERWRITE, JobKind.INTO, JobKind.UPDATE_DELETE, JobKind.MERGE]
+HOURS = {"A": T0_US, "B": T0_US + HOUR_US}
+DELETE_KEY = {"A": 3, "B": 103}  # a key that lives only in that hour
+NO_EXPIRY = Retention(keep_last=10_000)
+
+Row = tuple  # (key, op, event_time us, source_seq, payload)
+
+
+# --------------------------------------------------------------------------- catalogs
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_catalog(request, tmp_path):
+    """(catalog, home) on the embedded SQLite catalog or on a fresh database of the throwaway PostgreSQL cluster."""
+    if request.param == "sqlite":
+        config = CatalogConfig(home=tmp_path / "home")
+    else:
+        postgres = request.getfixturevalue("postgres")
+        database = f"matrix_{uuid.uuid4().hex[:10]}"
+        postgres.create_database(database)
+        config = CatalogConfig(home=tmp_path / "home", uri=postgres.sqlalchemy_uri(database))
+    catalog = config.load()
+    yield catalog
+    engine = getattr(catalog, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+# --------------------------------------------------------------------------- the table and a model of it
+
+
+def rows_of(batch_records: pa.Table) -> list[Row]:
+    cols = [batch_records.column(c).to_pylist() for c in ("key", "op", "event_time", "source_seq", "payload")]
+    return [(k, o, t.timestamp() if t is not None else None, s, p) for k, o, t, s, p in zip(*cols)]
+
+
+def table_rows(catalog) -> list[Row]:
+    return sorted(rows_of(catalog.load_table("cdc.orders").scan().to_arrow()))
+
+
+def hour_of(row: Row) -> str:
+    return "A" if row[2] < (T0_US + HOUR_US) / 1e6 else "B"
+
+
+def key_id(row: Row) -> int:
+    return int(row[0].split(":")[1].rstrip("}"))
+
+
+def seed(catalog) -> list[Row]:
+    """Two checkpoints per hour (two small files each), keys 0-9 in A and 100-109 in B."""
+    writer = CdcWriter(catalog, ORDERS, writer_id="seed", retention=NO_EXPIRY)
+    rows: list[Row] = []
+    for i in range(2):
+        for name, keys in (("A", range(10)), ("B", range(100, 110))):
+            batch = change_batch(
+                HOURS[name] + np.arange(10) * 60_000_000 + i * 30_000_000,
+                offset=f"{name}{i}", seq_start=(1 if name == "A" else 2) * 1000 + i * 100, keys=list(keys),
+            )
+            writer.write_checkpoint(batch)
+            rows += rows_of(batch.records)
+    return rows
+
+
+# --------------------------------------------------------------------------- the four jobs
+
+
+class Gate(CommitProcessor):
+    """Parks the first commit attempt of a writer checkpoint (after it loaded its head) at the barrier."""
+
+    def __init__(self, barrier: Barrier | None) -> None:
+        self.barrier = barrier
+
+    def pre_commit(self, ctx) -> None:
+        if self.barrier is not None:
+            barrier, self.barrier = self.barrier, None
+            barrier.park()
+
+
+@dataclass
+class Barrier:
+    reached: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def park(self, *_args) -> None:
+        self.reached.set()
+        assert self.release.wait(60), "the test never released the job"
+
+
+@dataclass
+class Outcome:
+    snapshot_id: int | None = None
+    error: BaseException | None = None
+
+
+def into_rows(name: str, tag: int) -> pa.Table:
+    return change_batch(HOURS[name] + 45 * 60_000_000 + np.arange(3) * 1_000_000, offset=f"into-{tag}",
+                        seq_start=5000 + tag * 10, keys=[200 + tag, 201 + tag, 202 + tag]).records
+
+
+def replay_rows(name: str, tag: int) -> pa.Table:
+    return change_batch(HOURS[name] + 5 * 60_000_000 + np.arange(4) * 1_000_000, offset="replay",
+                        seq_start=6000 + tag * 10, keys=[300 + tag, 301 + tag, 302 + tag, 303 + tag]).records
+
+
+def run_job(catalog, kind: JobKind, name: str, tag: int, barrier: Barrier | None) -> Outcome:
+    """Run one job of `kind` acting on hour `name`; returns its snapshot id (None: nothing committed)."""
+    hook = barrier.park if barrier is not None else None
+    if kind is JobKind.INTO:
+        writer = CdcWriter(catalog, ORDERS, writer_id=f"into-{tag}", retention=NO_EXPIRY,
+                           processors=[Gate(barrier), WatermarkProcessor()])
+        records = into_rows(name, tag)
+        from partfin_assets.sources.base import ChangeBatch
+
+        return Outcome(writer.write_checkpoint(ChangeBatch(records, offset=f"into-{tag}")).snapshot_id)
+    if kind is JobKind.OVERWRITE:
+        return Outcome(replay_hour(catalog, "orders", HOURS[name], replay_rows(name, tag), before_commit=hook).snapshot_id)
+    if kind is JobKind.UPDATE_DELETE:
+        prune, mask = cdc_key_filter([{"id": DELETE_KEY[name]}])
+        return Outcome(delete_where(catalog, "cdc.orders", prune, mask, before_commit=hook).snapshot_id)
+    result = compact(catalog, "cdc.orders", partitions=[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS[name])],
+                     finalized_only=False, before_commit=hook)
+    assert result.snapshot_id is not None, "nothing to compact: the seed must leave two small files per hour"
+    return Outcome(result.snapshot_id)
+
+
+def apply(model: list[Row], kind: JobKind, name: str, tag: int) -> list[Row]:
+    """The effect of a successful job on the table content."""
+    if kind is JobKind.INTO:
+        return model + rows_of(into_rows(name, tag))
+    if kind is JobKind.OVERWRITE:
+        return [r for r in model if hour_of(r) != name] + rows_of(replay_rows(name, tag))
+    if kind is JobKind.UPDATE_DELETE:
+        return [r for r in model if not (hour_of(r) == name and key_id(r) == DELETE_KEY[name])]
+    return model  # MERGE rewrites files, not rows
+
+
+def assert_no_stray_files(catalog) -> None:
+    """Every file in the table's directory is referenced by a retained snapshot or the metadata (nothing expired here)."""
+    table = catalog.load_table("cdc.orders")
+    on_disk = {f.path for f in list_table_files(table.metadata.location)}
+    stray = on_disk - referenced_files(table)
+    assert not stray, f"files left behind: {sorted(stray)}"
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize("placement", ["same", "different"])
+@pytest.mark.parametrize("later", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("earlier", KINDS, ids=lambda k: k.name)
+def test_conflict_matrix(any_catalog, earlier, later, placement):
+    catalog = any_catalog
+    model = seed(catalog)
+    files_before = files_per_partition(catalog, "cdc.orders")
+    assert files_before == {hour_partition(catalog.load_table("cdc.orders").metadata, h): 2 for h in HOURS.values()}
+    later_hour = "A"
+    earlier_hour = "A" if placement == "same" else "B"
+
+    barrier = Barrier()
+    later_outcome = Outcome()
+
+    def later_job() -> None:
+        try:
+            later_outcome.snapshot_id = run_job(catalog, later, later_hour, 2, barrier).snapshot_id
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            later_outcome.error = exc
+
+    thread = threading.Thread(target=later_job, name=f"later-{later.name}")
+    thread.start()
+    try:
+        assert barrier.reached.wait(60), f"later job never got to its commit: {later_outcome.error!r}"
+        earlier_outcome = run_job(catalog, earlier, earlier_hour, 1, None)
+    finally:
+        barrier.release.set()
+        thread.join(120)
+    assert not thread.is_alive()
+    assert earlier_outcome.snapshot_id is not None
+    model = apply(model, earlier, earlier_hour, 1)
+
+    must_fail = later in (JobKind.UPDATE_DELETE, JobKind.MERGE) and placement == "same"
+    if must_fail:
+        error = later_outcome.error
+        assert isinstance(error, CommitConflictError), f"expected a conflict, got {error!r}"
+        assert error.conflicting_snapshot_id == earlier_outcome.snapshot_id
+        assert error.conflicting_kind == earlier.value
+        assert error.kind is later and error.table == "cdc.orders"
+        assert error.partitions == [hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])]
+    else:
+        assert later_outcome.error is None, f"later {later.value} failed: {later_outcome.error!r}"
+        assert later_outcome.snapshot_id is not None
+        model = apply(model, later, later_hour, 2)
+
+    # final content, row by row
+    assert table_rows(catalog) == sorted(model)
+    # the later job's snapshot (if any) is the head, on top of the earlier one
+    table = catalog.load_table("cdc.orders")
+    if not must_fail:
+        assert table.metadata.current_snapshot_id == later_outcome.snapshot_id
+        assert table.current_snapshot().parent_snapshot_id == earlier_outcome.snapshot_id
+    else:
+        assert table.metadata.current_snapshot_id == earlier_outcome.snapshot_id
+    assert_no_stray_files(catalog)
+    # watermark: recorded values never decrease, the property equals the newest
+    history = [w for _, w in watermark_history(table.metadata)]
+    assert history == sorted(history)
+    assert table.properties.get(K.PROP_WATERMARK)
+    # commits without event-time stats (all but INTO) are skipped by the policy
+    for snapshot in table.metadata.snapshots:
+        summary = snapshot.summary.additional_properties
+        if summary.get(K.JOB_KIND) in (JobKind.OVERWRITE.value, JobKind.MERGE.value, JobKind.UPDATE_DELETE.value):
+            assert K.EVENT_TIME_COUNT not in summary
+    if later is JobKind.MERGE and not must_fail:
+        assert files_per_partition(catalog, "cdc.orders")[hour_partition(table.metadata, HOURS["A"])] == 1
