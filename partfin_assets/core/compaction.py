@@ -141,7 +141,11 @@ def compact(
             rows = read_files(table, small)
             if sort_by is not None:
                 rows = rows.sort_by(sort_by)
-            new_files = job.write(rows, target_file_size_bytes=target_file_size_bytes)
+            # PyIceberg bin-packs by in-memory (Arrow) size: scale the target by the input's
+            # Arrow-to-Parquet ratio so that the files on disk come out near the target size.
+            on_disk = max(1, sum(f.file_size_in_bytes for f in small))
+            write_target = max(1, int(target_file_size_bytes * rows.nbytes / on_disk))
+            new_files = job.write(rows, target_file_size_bytes=write_target)
             records_in = sum(f.record_count for f in small)
             records_out = sum(f.record_count for f in new_files)
             if records_in != records_out or rows.num_rows != records_in:
