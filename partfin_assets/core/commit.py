@@ -43,6 +43,8 @@ MANAGED_TABLE_PROPERTIES = {
     "write.metadata.previous-versions-max": "20",
     # per-partition counts in each snapshot summary: partition metadata without reading manifests
     "write.summary.partition-limit": "200",
+    # one manifest per checkpoint would make every commit re-list them all: merge as they pile up
+    "commit.manifest-merge.enabled": "true",
 }
 
 

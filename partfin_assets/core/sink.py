@@ -281,7 +281,7 @@ class CdcWriter:
             contexts.append(ctx)
             summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary}, commit_id, JobKind.INTO)
             tx = table.transaction()
-            with tx.update_snapshot(snapshot_properties=summary).fast_append() as append:
+            with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
                     append.append_data_file(data_file)
             if ctx.properties:
