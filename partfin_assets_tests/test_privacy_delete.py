@@ -1,0 +1,129 @@
+"""Privacy delete by primary key across cdc.<table> and base.<table>: complete, idempotent, resumable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+
+from partfin_assets.core import summary_keys as K
+from partfin_assets.core.commit import JobKind
+from partfin_assets.core.conflicts import CommitConflictError
+from partfin_assets.core.maintenance import Retention
+from partfin_assets.core.privacy import base_key_filter, cdc_key_filter, delete_where, privacy_delete
+from partfin_assets.core.sink import CdcWriter
+from partfin_assets.core.upsert import read_base, run_upsert
+from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+
+
+def cdc_keys(catalog) -> list[str]:
+    return catalog.load_table("cdc.orders").scan().to_arrow().column("key").to_pylist()
+
+
+def base_ids(catalog, include_deleted=True) -> set[int]:
+    return set(read_base(catalog, "orders", include_deleted=include_deleted).column("id").to_pylist())
+
+
+@pytest.fixture
+def loaded(catalog):
+    writer = CdcWriter(catalog, ORDERS, retention=Retention(keep_last=1000))
+    for h in range(3):
+        # keys 0..19 in every hour; key 7 deleted in hour 2 (a tombstone in base)
+        keys = list(range(20))
+        ops = ["d" if (h == 2 and k == 7) else "u" for k in keys]
+        writer.write_checkpoint(change_batch(T0_US + h * HOUR_US + np.arange(20) * MINUTE_US, offset=str(h),
+                                             seq_start=h * 100, keys=keys, ops=ops))
+    run_upsert(catalog, "orders")
+    return catalog
+
+
+def test_privacy_delete_removes_the_keys_from_both_tables(loaded):
+    catalog = loaded
+    before_cdc = cdc_keys(catalog)
+    assert 7 in base_ids(catalog) and 7 not in base_ids(catalog, include_deleted=False)  # tombstone
+    result = privacy_delete(catalog, "orders", [{"id": 3}, {"id": 7}], request_id="gdpr-1")
+    assert result.cdc_deleted == 6 and result.base_deleted == 2
+    after_cdc = cdc_keys(catalog)
+    assert '{"id":3}' not in after_cdc and '{"id":7}' not in after_cdc
+    assert sorted(after_cdc) == sorted(k for k in before_cdc if k not in ('{"id":3}', '{"id":7}'))
+    assert base_ids(catalog) == set(range(20)) - {3, 7}  # tombstone gone too
+    for name in ("cdc.orders", "base.orders"):
+        summary = catalog.load_table(name).current_snapshot().summary.additional_properties
+        assert summary[K.JOB_KIND] == JobKind.UPDATE_DELETE.value
+        assert summary[K.PRIVACY_REQUEST_ID] == "gdpr-1"
+        assert K.EVENT_TIME_COUNT not in summary
+        assert not any('"id":3' in v or '"id":7' in v for v in summary.values())  # never the keys
+    # only the bucket of the keys was rewritten in base
+    base_commit = result.base[0]
+    assert len(base_commit.partitions) == len({p for p in base_commit.partitions})
+    assert all(p.startswith("id_bucket=") for p in base_commit.partitions)
+    # the next upsert brings nothing back
+    run_upsert(catalog, "orders")
+    assert base_ids(catalog) == set(range(20)) - {3, 7}
+    # idempotent: nothing left, nothing committed
+    snapshots = {n: len(catalog.load_table(n).metadata.snapshots) for n in ("cdc.orders", "base.orders")}
+    again = privacy_delete(catalog, "orders", [{"id": 3}, {"id": 7}], request_id="gdpr-1")
+    assert again.cdc == [] and again.base == []
+    assert snapshots == {n: len(catalog.load_table(n).metadata.snapshots) for n in ("cdc.orders", "base.orders")}
+
+
+def test_a_crash_between_the_tables_is_finished_by_a_rerun(loaded):
+    catalog = loaded
+
+    def crash():
+        raise KeyboardInterrupt("killed between the two tables")
+
+    with pytest.raises(KeyboardInterrupt):
+        privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2", between_tables=crash)
+    assert '{"id":5}' not in cdc_keys(catalog) and 5 in base_ids(catalog)
+    result = privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2")
+    assert result.cdc == [] and result.base_deleted == 1
+    assert 5 not in base_ids(catalog)
+
+
+def test_a_concurrent_append_of_the_key_is_caught_by_the_next_round(loaded):
+    catalog = loaded
+    writer = CdcWriter(catalog, ORDERS, writer_id="late")
+    calls = []
+
+    def append_key_elsewhere(job):
+        if job.identifier == "cdc.orders" and not calls:
+            calls.append(job.job_id)
+            # a new hour: no conflict with the delete's partitions, but the key is back
+            writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+
+    result = privacy_delete(catalog, "orders", [{"id": 11}], before_commit=append_key_elsewhere)
+    assert len(result.cdc) == 2  # the second round removed what the concurrent append brought
+    assert '{"id":11}' not in cdc_keys(catalog) and '{"id":12}' in cdc_keys(catalog)
+
+
+def test_delete_conflicts_with_a_commit_to_its_partition_and_leaves_nothing(loaded):
+    catalog = loaded
+    table = catalog.load_table("cdc.orders")
+    files_before = {t.file.file_path for t in table.scan().plan_files()}
+    written = []
+
+    def race(job):
+        written.extend(job.written)
+        CdcWriter(catalog, ORDERS, writer_id="racer").write_checkpoint(
+            change_batch(T0_US + np.arange(2) * MINUTE_US, offset="r", seq_start=800, keys=[40, 41]))
+
+    prune, mask = cdc_key_filter([{"id": 4}])
+    with pytest.raises(CommitConflictError) as info:
+        delete_where(catalog, "cdc.orders", prune, mask, before_commit=race)
+    assert info.value.kind is JobKind.UPDATE_DELETE
+    assert written and not any(__import__("os").path.exists(p.removeprefix("file://")) for p in written)
+    assert '{"id":4}' in cdc_keys(catalog)
+    assert files_before <= {t.file.file_path for t in catalog.load_table("cdc.orders").scan().plan_files()}
+
+
+def test_base_key_filter_matches_exactly(loaded):
+    from partfin_assets.core.tablespec import TableSpec
+
+    spec = TableSpec.from_properties("orders", loaded.load_table("cdc.orders").properties)
+    _, mask = base_key_filter(spec, [{"id": 2}, {"id": 9}])
+    data = read_base(loaded, "orders")
+    assert sorted(data.filter(mask(data)).column("id").to_pylist()) == [2, 9]
+    with pytest.raises(ValueError):
+        base_key_filter(spec, [{"nope": 1}])
+    assert pc.sum(mask(data)).as_py() == 2
