@@ -60,3 +60,37 @@ def test_unknown_table_and_bad_source_name_the_problem(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and "cdc.nope" in result.stderr
     result = partfin(tmp_path, "ingest", "--table", "orders", "--source", "kafka:topic")
     assert result.returncode == 2 and "unknown source kind 'kafka'" in result.stderr
+
+
+def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):
+    good = (DATA / "debezium_wrapped.jsonl").read_text().splitlines()
+    lines = [
+        good[0],
+        "{not json",
+        '{"op":"c","after":{"id":9},"source":{}}',  # no source.ts_ms
+        '{"op":"x","after":{"id":9},"source":{"ts_ms":1790000000000}}',
+        '{"op":"u","source":{"ts_ms":1790000000000}}',  # no after
+        '{"op":"c","after":{"region":"eu"},"source":{"ts_ms":1790000000000}}',  # no key
+        *good[1:],
+    ]
+    path = tmp_path / "changes.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = partfin(tmp_path, "ingest", "--table", "shop", "--source", f"debezium:{path}", "--primary-key", "id")
+    assert result.returncode == 0, result.stderr
+
+    from partfin_assets.core.catalog import load_partfin_catalog
+
+    catalog = load_partfin_catalog(tmp_path)
+    rejected = catalog.load_table("cdc.shop__rejected").scan().to_arrow().sort_by("source_seq")
+    assert rejected.column("source_seq").to_pylist() == [2, 3, 4, 5, 6]
+    assert rejected.column("raw").to_pylist() == lines[1:6]
+    reasons = rejected.column("reason").to_pylist()
+    assert all(reason.startswith(f"line {n}:") for n, reason in zip(range(2, 7), reasons))
+    cdc = catalog.load_table("cdc.shop")
+    summaries = [s.summary.additional_properties for s in cdc.metadata.snapshots]
+    assert sum(int(s.get("partfin.rejected-records", 0)) for s in summaries) == 5
+    assert cdc.scan().to_arrow().num_rows == sum(1 for line in good if '"payload":null' not in line)
+
+    again = partfin(tmp_path, "ingest", "--table", "shop", "--source", f"debezium:{path}")
+    assert again.returncode == 0, again.stderr  # resumes after the last committed line: nothing twice
+    assert load_partfin_catalog(tmp_path).load_table("cdc.shop__rejected").scan().to_arrow().num_rows == 5
