@@ -245,3 +245,144 @@ def test_conflict_matrix(any_catalog, earlier, later, placement):
             assert K.EVENT_TIME_COUNT not in summary
     if later is JobKind.MERGE and not must_fail:
         assert files_per_partition(catalog, "cdc.orders")[hour_partition(table.metadata, HOURS["A"])] == 1
+
+
+# --------------------------------------------------------------------------- the conflict layer itself (SQLite)
+
+
+def _seeded(catalog, *, partition_limit: str | None = None):
+    seed(catalog)
+    if partition_limit is not None:
+        with catalog.load_table("cdc.orders").transaction() as tx:
+            tx.set_properties({"write.summary.partition-limit": partition_limit})
+
+
+@pytest.mark.parametrize("summaries", ["summary", "truncated", "stripped"])
+def test_conflicts_are_found_from_manifests_when_summaries_lack_partitions(catalog, monkeypatch, summaries):
+    """Partition summaries present; truncated by write.summary.partition-limit; or absent (another engine)."""
+    from partfin_assets.core import conflicts
+    from partfin_assets.core.conflicts import find_conflict, touched_partitions
+
+    _seeded(catalog, partition_limit="0" if summaries == "truncated" else None)
+    if summaries == "stripped":
+        monkeypatch.setattr(conflicts, "PARTITION_SUMMARIES_INCLUDED", "no-such-summary-key")
+    table = catalog.load_table("cdc.orders")
+    start = table.metadata.current_snapshot_id
+    a, b = (hour_partition(table.metadata, HOURS[n]) for n in "AB")
+    first = run_job(catalog, JobKind.OVERWRITE, "B", 1, None)
+    run_job(catalog, JobKind.OVERWRITE, "B", 2, None)
+    head = catalog.load_table("cdc.orders")
+    touched = [touched_partitions(s, head.metadata, head.io) for s in head.metadata.snapshots[-2:]]
+    assert [t.partitions for t in touched] == [frozenset({b}), frozenset({b})]
+    assert all(t.from_manifests == (summaries != "summary") for t in touched)
+    assert find_conflict(head, start, {a}) is None
+    conflict = find_conflict(head, start, {a, b})
+    assert conflict is not None and conflict.partitions == {b} and conflict.kind == JobKind.OVERWRITE.value
+    assert conflict.snapshot_id == first.snapshot_id  # the first commit that touched it
+
+
+def test_unpartitioned_tables_conflict_on_any_file_change_but_not_on_empty_commits(catalog):
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import LongType, NestedField
+
+    from partfin_assets.core.catalog import ensure_namespaces
+    from partfin_assets.core.commit import MANAGED_TABLE_PROPERTIES
+    from partfin_assets.core.conflicts import Job, WHOLE_TABLE
+
+    ensure_namespaces(catalog, "misc")
+    catalog.create_table("misc.t", Schema(NestedField(1, "x", LongType(), required=True)), properties=MANAGED_TABLE_PROPERTIES)
+    rows = pa.table({"x": pa.array([1, 2, 3], pa.int64())})
+    Job.start(catalog, "misc.t", JobKind.INTO).commit_append(Job.start(catalog, "misc.t", JobKind.INTO).write(rows))
+
+    job = Job.start(catalog, "misc.t", JobKind.UPDATE_DELETE)
+    files = [t.file for t in job.table.scan().plan_files()]
+    new = job.write(rows.slice(0, 2))
+    with catalog.load_table("misc.t").transaction() as tx:  # an empty append: touches nothing
+        with tx.update_snapshot().fast_append():
+            pass
+    appender = Job.start(catalog, "misc.t", JobKind.INTO)
+    appender.commit_append(appender.write(rows))  # any file change on an unpartitioned table
+    with pytest.raises(CommitConflictError) as info:
+        job.commit_replace(files, new)
+    assert info.value.partitions == [WHOLE_TABLE]
+    assert not any(Path(f.file_path.removeprefix("file://")).exists() for f in new)
+
+
+def test_expired_history_between_start_and_head_is_a_conflict(catalog):
+    from partfin_assets.core.conflicts import Job, find_conflict
+    from partfin_assets.core.maintenance import expire_table_snapshots
+
+    seed(catalog)
+    table = catalog.load_table("cdc.orders")
+    first = table.metadata.snapshots[0].snapshot_id
+    expire_table_snapshots(catalog, "cdc.orders", Retention(keep_last=1))
+    head = catalog.load_table("cdc.orders")
+    if head.metadata.snapshot_by_id(first) is None:
+        conflict = find_conflict(head, first, {hour_partition(head.metadata, HOURS["B"])})
+        assert conflict is not None and "expired" in conflict.reason
+    # a job that started at the head is unaffected
+    job = Job.start(catalog, "cdc.orders", JobKind.MERGE)
+    assert find_conflict(head, job.start_snapshot_id, {"x"}) is None
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatch, landed):
+    """The catalog call raises something else than CommitFailedException (a timeout): look, don't guess."""
+    from pyiceberg.table import Transaction
+
+    seed(catalog)
+    real = Transaction.commit_transaction
+    calls = []
+
+    def flaky(self):
+        calls.append(1)
+        if len(calls) == 1:
+            if landed:
+                real(self)
+            raise TimeoutError("catalog did not answer")
+        return real(self)
+
+    monkeypatch.setattr(Transaction, "commit_transaction", flaky)
+    written = []
+
+    def spy(job):
+        written.extend(job.written)
+
+    if landed:
+        result = replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), before_commit=spy)
+        table = catalog.load_table("cdc.orders")
+        assert result.snapshot_id == table.metadata.current_snapshot_id
+        assert len(calls) == 1  # found in the history: not committed twice
+        assert all(Path(p.removeprefix("file://")).exists() for p in written)
+        assert sorted(k for k, *_ in (r for r in table_rows(catalog) if hour_of(r) == "A")) == sorted(
+            r[0] for r in rows_of(replay_rows("A", 1)))
+    else:
+        with pytest.raises(TimeoutError):
+            replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), before_commit=spy)
+        assert written and not any(Path(p.removeprefix("file://")).exists() for p in written)
+        # the data files are gone; the attempt's manifests stay (the outcome was unknown when they
+        # were written) until orphan-file removal, which finds exactly those
+        from partfin_assets.core.maintenance import remove_orphan_files
+
+        report = remove_orphan_files(catalog, "cdc.orders", older_than_s=0)
+        assert report.orphans and all("/metadata/" in p and p.endswith(".avro") for p in report.orphans)
+        assert_no_stray_files(catalog)
+
+
+def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
+    from partfin_assets.core.conflicts import retry_on_conflict
+
+    seed(catalog)
+    attempts = []
+
+    def racer(job):
+        if len(attempts) == 1:
+            run_job(catalog, JobKind.INTO, "A", 5, None)
+
+    def run():
+        attempts.append(1)
+        return compact(catalog, "cdc.orders", hours=[HOURS["A"]], finalized_only=False, before_commit=racer)
+
+    result = retry_on_conflict(run, max_attempts=3)
+    assert len(attempts) == 2 and result.snapshot_id is not None
+    assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
