@@ -73,6 +73,7 @@ was dropped or moved past the committed offset.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import re
@@ -168,6 +169,7 @@ def _decimal_text(value: Any) -> str:
     return format(value if isinstance(value, Decimal) else Decimal(str(value)), "f")
 
 
+@functools.lru_cache(maxsize=4096)  # a transaction's now() repeats in every row it writes
 def _timestamptz_text(value: Any) -> str:
     # The decoding session runs with TimeZone=UTC: "2026-11-29 12:51:14.100414+00".
     dt = datetime.fromisoformat(value)
