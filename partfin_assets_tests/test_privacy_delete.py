@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow.compute as pc
 import pytest
@@ -112,7 +114,7 @@ def test_delete_conflicts_with_a_commit_to_its_partition_and_leaves_nothing(load
     with pytest.raises(CommitConflictError) as info:
         delete_where(catalog, "cdc.orders", prune, mask, before_commit=race)
     assert info.value.kind is JobKind.UPDATE_DELETE
-    assert written and not any(__import__("os").path.exists(p.removeprefix("file://")) for p in written)
+    assert written and not any(os.path.exists(p.removeprefix("file://")) for p in written)
     assert '{"id":4}' in cdc_keys(catalog)
     assert files_before <= {t.file.file_path for t in catalog.load_table("cdc.orders").scan().plan_files()}
 
@@ -127,3 +129,33 @@ def test_base_key_filter_matches_exactly(loaded):
     with pytest.raises(ValueError):
         base_key_filter(spec, [{"nope": 1}])
     assert pc.sum(mask(data)).as_py() == 2
+
+
+@pytest.mark.parametrize("same_bucket", [False, True])
+def test_upsert_conflicts_with_a_base_delete_only_in_its_buckets(loaded, same_bucket):
+    """The upsert is an UPDATE/DELETE job on base: a privacy delete in another bucket does not make it recompute."""
+    from pyiceberg.transforms import BucketTransform
+    from pyiceberg.types import LongType
+
+    from partfin_assets.core.tablespec import TableSpec
+
+    catalog = loaded
+    bucket = BucketTransform(16).transform(LongType())
+    bucket_of = {k: bucket(k) for k in range(20)}
+    victim = next(k for k in range(20) if k != 1 and (bucket_of[k] == bucket_of[1]) == same_bucket)
+    # new CDC changes for key 1 only; while the upsert sits between read and commit, the victim is deleted from base
+    CdcWriter(catalog, ORDERS, writer_id="more").write_checkpoint(
+        change_batch(T0_US + 4 * HOUR_US + np.arange(1) * MINUTE_US, offset="m", seq_start=700, keys=[1]))
+    spec = TableSpec.from_properties("orders", catalog.load_table("cdc.orders").properties)
+    prune, mask = base_key_filter(spec, [{"id": victim}])
+    fired = []
+
+    def hook(phase):
+        if phase == "after-read" and not fired:
+            fired.append(delete_where(catalog, "base.orders", prune, mask))
+
+    result = run_upsert(catalog, "orders", crash_hook=hook)
+    assert fired and fired[0].snapshot_id is not None
+    assert result.attempts == (2 if same_bucket else 1)
+    assert victim not in base_ids(catalog)
+    assert result.updated == 1

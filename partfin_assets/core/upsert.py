@@ -82,6 +82,7 @@ from partfin_assets.core.commit import (
     delete_files,
     snapshot_summary_with_commit_id,
 )
+from partfin_assets.core.conflicts import find_conflict, partition_path, partition_path_of_values
 from partfin_assets.core.history import summary_of
 from partfin_assets.core.payload import UpsertPayloadError, decode_columns
 from partfin_assets.core.sink import crash_point
@@ -619,6 +620,14 @@ def run_upsert(catalog: Catalog, name: str, *, crash_hook: CrashHook | None = No
     raise UpsertConflict(f"base.{name}: changed under the upsert {max_attempts} times in a row; giving up")
 
 
+def _target_partitions(plan: _Plan, merge: _Merge, data_files: list[DataFile]) -> set[str]:
+    """The base partitions this run read or rewrites (the per-partition conflict check's targets)."""
+    metadata = plan.base.metadata
+    out = {partition_path(metadata, f) for f in [*merge.remove, *data_files]}
+    out |= {partition_path_of_values(metadata, [b]) for b in plan.read_buckets}
+    return out
+
+
 def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, attempt: int) -> UpsertResult:
     plan = _plan(catalog, spec)
     if plan is None:
@@ -653,10 +662,14 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
         properties[K.PROP_WATERMARK] = plan.watermark
 
     def build(table: Table, commit_id: str):
-        if table.metadata.current_snapshot_id != plan.base_snapshot_id or _source_snapshot_id(table.properties) != plan.previous_source_id:
-            # UPDATE/DELETE: never re-apply a merge computed on older data (DESIGN §6).
-            # Per-partition conflict detection would check here whether the commits since
-            # plan.base_snapshot_id touched plan.read_buckets, and only then give up.
+        # UPDATE/DELETE: never re-apply a merge computed on older data (DESIGN §6). Another upsert
+        # moved the source position; any other commit since the plan (a privacy delete, a
+        # compaction) conflicts only if it touched the buckets this merge read or rewrites.
+        if _source_snapshot_id(table.properties) != plan.previous_source_id:
+            raise _BaseMoved()
+        if table.metadata.current_snapshot_id != plan.base_snapshot_id and find_conflict(
+            table, plan.base_snapshot_id, _target_partitions(plan, merge, data_files), start_spec_id=plan.base.metadata.default_spec_id
+        ):
             raise _BaseMoved()
         tx = table.transaction()
         tx.set_properties(properties)
