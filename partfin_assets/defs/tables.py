@@ -92,6 +92,7 @@ TABLES: list[PartfinTable] = [
     PartfinTable(
         # percentile policy: a few hours-late records must not hold the watermark back for hours
         spec=dataclasses.replace(ORDERS_SPEC, watermark_policy="percentile:0.001:last:3"),
-        source="synthetic:rate=2,hours=24",
+        # orders are mostly new rows (a large key space), so base keeps rows in every hour
+        source="synthetic:rate=2,hours=24,key_space=1000000",
     ),
 ]

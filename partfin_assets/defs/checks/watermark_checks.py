@@ -192,7 +192,7 @@ def build_checks(table: PartfinTable):
         f"checks_{name}",
         selection=AssetSelection.checks(*checks),
         executor_def=in_process_executor,
-        tags={"partfin/table": name, "partfin/layer": "checks"},
+        tags={"partfin/table": name, "partfin/layer": "checks", "dagster/priority": "5"},
         description=f"Evaluates the watermark checks of {name} (metadata only).",
     )
     return checks, checks_job
