@@ -115,7 +115,11 @@ class Barrier:
     reached: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
 
-    def park(self, *_args) -> None:
+    written: list[str] = field(default_factory=list)
+
+    def park(self, job=None) -> None:
+        if job is not None:
+            self.written[:] = list(job.written)  # the parked job's files, for cleanup checks
         self.reached.set()
         assert self.release.wait(60), "the test never released the job"
 
@@ -308,21 +312,51 @@ def test_unpartitioned_tables_conflict_on_any_file_change_but_not_on_empty_commi
     assert not any(Path(f.file_path.removeprefix("file://")).exists() for f in new)
 
 
-def test_expired_history_between_start_and_head_is_a_conflict(catalog):
-    from partfin_assets.core.conflicts import Job, find_conflict
-    from partfin_assets.core.maintenance import expire_table_snapshots
+@pytest.mark.parametrize("scenario", ["start-expired", "start-expired-own-partition", "gap"])
+def test_expiry_during_a_job_neither_hides_nor_invents_conflicts(catalog, scenario):
+    """The writer expires snapshots as it goes, the job's start snapshot included: sequence numbers decide.
+
+    Only when snapshots *after* the start expired too (a gap) is the answer unknowable: then conflict.
+    """
+    touch_own_partition = scenario == "start-expired-own-partition"
+    from partfin_assets.core.conflicts import find_conflict
 
     seed(catalog)
-    table = catalog.load_table("cdc.orders")
-    first = table.metadata.snapshots[0].snapshot_id
-    expire_table_snapshots(catalog, "cdc.orders", Retention(keep_last=1))
-    head = catalog.load_table("cdc.orders")
-    if head.metadata.snapshot_by_id(first) is None:
-        conflict = find_conflict(head, first, {hour_partition(head.metadata, HOURS["B"])})
-        assert conflict is not None and "expired" in conflict.reason
-    # a job that started at the head is unaffected
-    job = Job.start(catalog, "cdc.orders", JobKind.MERGE)
-    assert find_conflict(head, job.start_snapshot_id, {"x"}) is None
+    run_job(catalog, JobKind.OVERWRITE, "B", 9, None)  # the job's start: a snapshot nothing protects from expiry
+    racer = CdcWriter(catalog, ORDERS, writer_id="racer", retention=Retention(keep_last=2 if scenario == "gap" else 8, slack=0))
+    hold = Barrier()
+    outcome = Outcome()
+
+    def merge_a():
+        try:
+            outcome.snapshot_id = run_job(catalog, JobKind.MERGE, "A", 1, hold).snapshot_id
+        except BaseException as exc:  # noqa: BLE001
+            outcome.error = exc
+
+    thread = threading.Thread(target=merge_a)
+    thread.start()
+    try:
+        assert hold.reached.wait(60)
+        start_id = catalog.load_table("cdc.orders").metadata.current_snapshot_id
+        for i in range(8):
+            hour = HOURS["A"] if (touch_own_partition and i == 3) else HOURS["B"] + 30 * 60_000_000
+            racer.write_checkpoint(change_batch(hour + np.arange(2) * 1_000_000, offset=f"r{i}", seq_start=70_000 + i * 10, keys=[400 + i, 450 + i]))
+        head = catalog.load_table("cdc.orders")
+        assert head.metadata.snapshot_by_id(start_id) is None  # the start snapshot itself is gone
+        assert find_conflict(head, start_id, {"x"}) is not None  # without the sequence number: unknowable
+    finally:
+        hold.release.set()
+        thread.join(60)
+    assert hold.written
+    if scenario == "gap":
+        assert isinstance(outcome.error, CommitConflictError) and "expired" in outcome.error.reason
+        assert not any(Path(p.removeprefix("file://")).exists() for p in hold.written)
+    elif touch_own_partition:
+        assert isinstance(outcome.error, CommitConflictError) and outcome.error.conflicting_kind == JobKind.INTO.value
+        assert not any(Path(p.removeprefix("file://")).exists() for p in hold.written)
+    else:
+        assert outcome.error is None and outcome.snapshot_id is not None
+        assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
 
 
 @pytest.mark.parametrize("landed", [True, False])

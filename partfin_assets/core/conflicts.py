@@ -176,26 +176,40 @@ class Touched:
     from_manifests: bool  # the summary did not say; the snapshot's own manifests were read
 
 
-def snapshots_since(metadata: TableMetadata, start_snapshot_id: int | None) -> list[Snapshot] | None:
-    """Snapshots of main after `start_snapshot_id` up to the head, newest first (parent links only).
+def snapshots_since(
+    metadata: TableMetadata, start_snapshot_id: int | None, start_sequence_number: int | None = None
+) -> list[Snapshot] | None:
+    """Snapshots of main after `start_snapshot_id` up to the head, newest first.
 
-    None when the chain is broken before reaching the start (snapshots in between expired): what
+    Follows parent links. Where expiry broke the chain (the start snapshot itself, or snapshots
+    in between, expired), the sequence number the job recorded at its start still decides: each
+    commit on main takes the next sequence number, so the retained snapshots numbered after it
+    are all of them exactly when their numbers have no gap up to the head. Otherwise None: what
     changed can no longer be known, and callers must assume everything did.
     """
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
     out: list[Snapshot] = []
-    current = metadata.current_snapshot()
+    head = current = metadata.current_snapshot()
     while current is not None:
         if current.snapshot_id == start_snapshot_id:
             return out
         out.append(current)
         parent = current.parent_snapshot_id
+        if parent is not None and parent == start_snapshot_id:
+            return out
         if parent is None:
+            if start_snapshot_id is None:
+                return out
             break
         current = by_id.get(parent)
-        if current is None:
-            return None  # expired in between
-    return out if start_snapshot_id is None else None
+    if start_snapshot_id is None and head is None:
+        return out
+    if start_sequence_number is not None and head is not None and head.sequence_number:
+        after = sorted((s for s in metadata.snapshots if s.sequence_number > start_sequence_number),
+                       key=lambda s: s.sequence_number, reverse=True)
+        if [s.sequence_number for s in after] == list(range(head.sequence_number, start_sequence_number, -1)):
+            return after
+    return None
 
 
 def touched_partitions(snapshot: Snapshot, metadata: TableMetadata, io) -> Touched:
@@ -241,7 +255,14 @@ class Conflict:
     reason: str | None = None
 
 
-def find_conflict(table: Table, start_snapshot_id: int | None, targets: Iterable[str], *, start_spec_id: int | None = None) -> Conflict | None:
+def find_conflict(
+    table: Table,
+    start_snapshot_id: int | None,
+    targets: Iterable[str],
+    *,
+    start_spec_id: int | None = None,
+    start_sequence_number: int | None = None,
+) -> Conflict | None:
     """The oldest commit after `start_snapshot_id` that touched one of `targets` (the one that won), or None."""
     metadata = table.metadata
     targets = frozenset(targets)
@@ -249,7 +270,7 @@ def find_conflict(table: Table, start_snapshot_id: int | None, targets: Iterable
         return None
     if start_spec_id is not None and metadata.default_spec_id != start_spec_id:
         return Conflict(metadata.current_snapshot_id, targets, None, None, "the partition spec changed since the job started")
-    chain = snapshots_since(metadata, start_snapshot_id)
+    chain = snapshots_since(metadata, start_snapshot_id, start_sequence_number)
     if chain is None:
         return Conflict(
             metadata.current_snapshot_id, targets, None, None,
@@ -306,6 +327,7 @@ class Job:
     table: Table  # as of the start snapshot: read from this
     start_snapshot_id: int | None
     start_spec_id: int
+    start_sequence_number: int | None = None  # decides what came after the start should expiry cut the chain
     partitions: set[str] = field(default_factory=set)
     written: list[str] = field(default_factory=list)
     before_commit: list[Hook] = field(default_factory=list)
@@ -324,9 +346,11 @@ class Job:
     ) -> Job:
         table = catalog.load_table(identifier)
         hooks = [] if before_commit is None else [before_commit] if callable(before_commit) else list(before_commit)
+        head = table.metadata.current_snapshot()
         return cls(
             catalog, identifier, JobKind(kind), job_id or uuid.uuid4().hex, table,
-            table.metadata.current_snapshot_id, table.metadata.default_spec_id, before_commit=hooks,
+            table.metadata.current_snapshot_id, table.metadata.default_spec_id,
+            start_sequence_number=head.sequence_number if head is not None else None, before_commit=hooks,
         )
 
     def __enter__(self) -> Job:
@@ -398,7 +422,10 @@ class Job:
         """Raise CommitConflictError if `table` (a fresh head) conflicts with this job."""
         if self.kind not in FAILING_KINDS:
             return
-        conflict = find_conflict(table, self.start_snapshot_id, self.partitions, start_spec_id=self.start_spec_id)
+        conflict = find_conflict(
+            table, self.start_snapshot_id, self.partitions,
+            start_spec_id=self.start_spec_id, start_sequence_number=self.start_sequence_number,
+        )
         if conflict is not None:
             raise CommitConflictError(
                 self.identifier, self.kind, self.job_id, conflict.partitions, conflict.snapshot_id,
