@@ -67,7 +67,7 @@ def build_activity_asset(table: PartfinTable):
                 description=(
                     f"hour {iso_z(hour)} of {name} is not finalized: base.{name} watermark is "
                     f"{iso_z(watermark) if watermark is not None else 'not set'} (needs >= {iso_z(hour + US_PER_HOUR)}). "
-                    "Set run config ops.<asset>.config.force=true to materialize it anyway."
+                    f"To materialize it anyway, set run config ops.{table.activity_key.to_python_identifier()}.config.force: true."
                 ),
                 allow_retries=False,
             )

@@ -88,6 +88,8 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
         if first is None:
             return SkipReason(f"cdc.{table.name} holds no data yet")
         cursor = FinalizationCursor(max(first, table.start_us))
+    # hours before the partitions' start date (moved later by PARTFIN_PARTITIONS_START) are not partitions
+    cursor = FinalizationCursor(max(cursor.next_hour_us, table.start_us))
     hours = newly_finalized(cursor.next_hour_us, watermark, MAX_HOURS_PER_TICK)
     if not hours:
         return SensorResult(
