@@ -2,19 +2,25 @@
 
 Debian's server binaries come from `pg_config --bindir`. initdb refuses to run as root, so as
 root the cluster runs as the `postgres` system user.
+
+`settings` adds server settings (`name=value`). `fake_clock` runs the server -- and only the
+server, not pg_ctl -- under libfaketime (Debian: `faketime`) with that FAKETIME spec, e.g.
+`"@2026-11-01 00:55:00 x120"`: its clock starts at that time when the postmaster starts and
+runs 120 times faster, so commit timestamps cross hour boundaries within a test.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +66,9 @@ def _as_cluster_user(command: list[str]) -> list[str]:
 
 
 @contextmanager
-def throwaway_cluster(*, logical: bool = True) -> Iterator[PostgresCluster]:
+def throwaway_cluster(
+    *, logical: bool = True, settings: Sequence[str] = (), fake_clock: str | None = None
+) -> Iterator[PostgresCluster]:
     bindir = postgres_bindir()
     if bindir is None:
         raise RuntimeError("PostgreSQL server binaries not found: install Debian's postgresql-15 (pg_config --bindir)")
@@ -81,14 +89,60 @@ def throwaway_cluster(*, logical: bool = True) -> Iterator[PostgresCluster]:
     ]
     if logical:
         options += ["-c wal_level=logical", "-c max_replication_slots=10", "-c max_wal_senders=10"]
-    _run(_as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data_dir), "-l", str(root / "server.log"), "-w",
+    options += [f"-c {setting}" for setting in settings]
+    # pg_ctl -w compares the start time in postmaster.pid with its own clock: under a fake clock, wait here
+    server = ["-W", "-p", _fake_clock_wrapper(root, bindir, fake_clock)] if fake_clock else ["-w"]
+    _run(_as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data_dir), "-l", str(root / "server.log"), *server,
                            "-o", " ".join(options), "start"]))
-    pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    pid = _wait_ready(data_dir, root / "server.log") if fake_clock else int((data_dir / "postmaster.pid").read_text().splitlines()[0])
     try:
         yield PostgresCluster("127.0.0.1", port, user, data_dir, pid)
     finally:
         stop_by_pid(pid)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_ready(data_dir: Path, log: Path, timeout_s: float = 60.0) -> int:
+    """The postmaster's PID once postmaster.pid says `ready`; stopped and an error after timeout_s (real time)."""
+    deadline = time.monotonic() + timeout_s
+    pid = None
+    while time.monotonic() < deadline:
+        try:
+            lines = (data_dir / "postmaster.pid").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        if lines:
+            pid = int(lines[0])
+            if len(lines) >= 8 and lines[7].strip() == "ready":
+                return pid
+        time.sleep(0.1)
+    if pid is not None:
+        stop_by_pid(pid)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"PostgreSQL did not become ready within {timeout_s:.0f}s:\n{tail}")
+
+
+def libfaketime() -> Path | None:
+    for pattern in ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1", "/usr/local/lib/faketime/libfaketime.so.1"):
+        found = sorted(Path("/").glob(pattern.lstrip("/")))
+        if found:
+            return found[0]
+    return None
+
+
+def _fake_clock_wrapper(root: Path, bindir: Path, spec: str) -> str:
+    """An executable that starts `postgres` under libfaketime (pg_ctl -p), so pg_ctl keeps the real clock."""
+    library = libfaketime()
+    if library is None:
+        raise RuntimeError("libfaketime not found: install Debian's faketime package (apt-get install faketime)")
+    wrapper = root / "postgres-faketime"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f"export LD_PRELOAD={shlex.quote(str(library))} FAKETIME={shlex.quote(spec)}\n"
+        f'exec {shlex.quote(str(bindir / "postgres"))} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
 
 
 def _run(command: list[str]) -> None:
