@@ -99,7 +99,7 @@ def build_sync_job(table: PartfinTable):
         writer = CdcWriter(
             iceberg,
             table.spec,
-            writer_id=f"{name}-dagster",
+            writer_id=None,  # <table>-writer, as `partfin ingest`: one source position per table
             subtasks=cdc_source.subtasks,
             heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
             accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator],
