@@ -1,6 +1,6 @@
 """Conflict-detection cost vs the snapshots between a job's start and the head, and vs the table's size.
 
-    .venv/bin/python bench/bench_conflicts.py [--commits 400] [--big-files 2000] [--repeat 5]
+    .venv/bin/python bench/bench_conflicts.py [--commits 300] [--big-files 1500] [--repeat 5]
 
 Setup (untimed): two hour-partitioned tables on the embedded SQLite catalog.
 - `small`: --commits commits, each appending one tiny data file to one of 24 hours;
@@ -90,8 +90,8 @@ def median_s(fn, repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--commits", type=int, default=400)
-    parser.add_argument("--big-files", type=int, default=2000)
+    parser.add_argument("--commits", type=int, default=300)
+    parser.add_argument("--big-files", type=int, default=1500)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-conflicts-"))
