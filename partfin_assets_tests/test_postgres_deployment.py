@@ -53,11 +53,16 @@ Needs Debian's postgresql-15, postgresql-15-wal2json and faketime.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -348,7 +353,7 @@ def test_postgres_deployment_finalizes_each_hour_once_with_source_counts(tmp_pat
         assert max_overlap(sync_spans) == 1, "partfin/writer limit: one sync run per table at a time"
         assert max_overlap(activity_spans) <= 2, "partfin/downstream limit: two downstream runs per table"
 
-        report = lag_report(hours, clock, workload, source_hours, base_snapshots, events, activity)
+        report = lag_report(hours, clock, workload, source_hours, base_snapshots, events, activity, sync)
         print(report)
         instance.dispose()
 
@@ -362,7 +367,17 @@ def _hour(partition_key: str) -> int:
 # --------------------------------------------------------------------------- lag figures
 
 
-def lag_report(hours, clock: ClockMap, workload: Workload, source_hours, base_snapshots, events, activity) -> str:
+def run_timing(records) -> str:
+    """Median seconds from run creation to its process starting (queue + launch) and from start to end."""
+    done = [r for r in records if r.start_time and r.end_time]
+    if not done:
+        return "none finished"
+    launch = statistics.median(r.start_time - r.create_timestamp.timestamp() for r in done)
+    work = statistics.median(r.end_time - r.start_time for r in done)
+    return f"{len(done)} runs, median create->start {launch:.1f}s, start->end {work:.1f}s"
+
+
+def lag_report(hours, clock: ClockMap, workload: Workload, source_hours, base_snapshots, events, activity, sync) -> str:
     """Per hour, real seconds from the hour's close on the source clock (and from its last commit) to each step."""
     watermark_at = []  # (real time of the base commit, watermark it set)
     for snapshot in base_snapshots:
@@ -400,4 +415,66 @@ def lag_report(hours, clock: ClockMap, workload: Workload, source_hours, base_sn
             f"hour close -> downstream run done: median {statistics.median(close_to_done):.1f}s, max {max(close_to_done):.1f}s; "
             f"last source commit of the hour -> done: median {statistics.median(commit_to_done or [0]):.1f}s"
         )
+    lines.append(f"sync_orders: {run_timing(sync)}; activity_orders_job: {run_timing(activity)}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the instance config
+
+
+def test_postgres_instance_config_differs_from_the_default_only_in_storage():
+    """dagster.postgres.yaml keeps dagster.yaml's run coordinator, per-table limits, retries and sensors."""
+    import yaml
+
+    default = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    postgres = yaml.safe_load((REPO / "dagster.postgres.yaml").read_text())
+    assert "storage" not in default  # SQLite under DAGSTER_HOME: the zero-setup path
+    assert {k: v for k, v in postgres.items() if k != "storage"} == default
+    db = postgres["storage"]["postgres"]["postgres_db"]
+    assert all(set(db[field]) == {"env"} for field in ("hostname", "port", "username", "password", "db_name"))
+
+
+# --------------------------------------------------------------------------- a named PyIceberg catalog
+
+
+def partfin_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "partfin_assets.cli", *args], env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_named_pyiceberg_catalog_selected_by_configuration(postgres, tmp_path):
+    """PARTFIN_CATALOG=<name> loads a catalog configured the PyIceberg way: PYICEBERG_CATALOG__<NAME>__* or .pyiceberg.yaml.
+
+    A REST (or Glue, Hive...) catalog is selected the same way with its own properties; here the
+    named catalog is a SqlCatalog on PostgreSQL so that the test needs no other server.
+    """
+    database = f"lake_{uuid.uuid4().hex[:8]}"
+    postgres.create_database(database)
+    warehouse = (tmp_path / "warehouse").as_uri()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PARTFIN_", "PYICEBERG_"))}
+    clean.update(PARTFIN_HOME=str(tmp_path / "home"), PYICEBERG_HOME=str(tmp_path / "no-config"))
+    by_env = {
+        **clean,
+        "PARTFIN_CATALOG": "lake",
+        "PYICEBERG_CATALOG__LAKE__TYPE": "sql",
+        "PYICEBERG_CATALOG__LAKE__URI": postgres.sqlalchemy_uri(database),
+        "PYICEBERG_CATALOG__LAKE__WAREHOUSE": warehouse,
+    }
+    result = partfin_cli(by_env, "ingest", "--table", "orders", "--source", "synthetic:hours=2,rate=1")
+    assert result.returncode == 0, result.stderr
+
+    config_dir = tmp_path / "pyiceberg"
+    config_dir.mkdir()
+    (config_dir / ".pyiceberg.yaml").write_text(
+        f"catalog:\n  lake:\n    type: sql\n    uri: {postgres.sqlalchemy_uri(database)}\n    warehouse: {warehouse}\n"
+    )
+    by_file = {**clean, "PARTFIN_CATALOG": "lake", "PYICEBERG_HOME": str(config_dir)}
+    status = partfin_cli(by_file, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    (cdc,) = [t for t in json.loads(status.stdout)["tables"] if t["name"] == "cdc.orders"]
+    assert cdc["checkpoint_id"] == 1 and cdc["watermark"]
+    assert not (tmp_path / "home" / "catalog.db").exists()  # the embedded SQLite catalog was never used
+
+    missing = partfin_cli({**clean, "PARTFIN_CATALOG": "nowhere"}, "status")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "PyIceberg catalog 'nowhere' set by PARTFIN_CATALOG" in missing.stderr
+    assert "PYICEBERG_CATALOG__NOWHERE__" in missing.stderr
