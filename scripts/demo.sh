@@ -8,6 +8,8 @@ export PARTFIN_HOME=${PARTFIN_HOME:-$PWD/.partfin}
 export DAGSTER_HOME=${DAGSTER_HOME:-$PARTFIN_HOME/dagster}
 mkdir -p "$DAGSTER_HOME"
 cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# hourly partitions from two days ago, so the replayed 24 hours fill the UI's partition bar
+export PARTFIN_PARTITIONS_START=${PARTFIN_PARTITIONS_START:-$(date -u -d '2 days ago' +%Y-%m-%d-00:00)}
 # job control: dagster dev maps SIGTERM to its SIGINT handler only in its own process group
 set -m
 exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PARTFIN_PORT:-3000}"

@@ -28,7 +28,7 @@ from fastdigest import TDigest
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import lineage, summary_of
-from partfin_assets.core.sink import Accumulator
+from partfin_assets.core.sink import Accumulator, EventTimeAccumulator
 from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
 # Summary entry added by HourlyEventTimeAccumulator (an addition beyond DESIGN §4):
@@ -98,6 +98,11 @@ class HourlyEventTimeAccumulator(Accumulator):
         if not by_hour or len(by_hour) > BY_HOUR_LIMIT:
             return {}
         return {EVENT_TIME_BY_HOUR: encode_by_hour(by_hour)}
+
+
+# What every partfin CDC writer records (CLI and Dagster alike): the DESIGN §4 event-time stats
+# plus the per-hour entry the partition metadata reads.
+PARTFIN_ACCUMULATORS = (EventTimeAccumulator, HourlyEventTimeAccumulator)
 
 
 def hour_stats_of(event_time_us: np.ndarray) -> list[HourStats]:

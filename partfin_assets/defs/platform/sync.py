@@ -28,14 +28,14 @@ from dagster import (
 
 from partfin_assets.core.history import summary_of
 from partfin_assets.core.partitions import (
-    HourlyEventTimeAccumulator,
+    PARTFIN_ACCUMULATORS,
     PartitionReport,
     checkpoint_reports,
     lag_seconds,
     upsert_reports,
     watermark_of,
 )
-from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.sink import CdcWriter
 from partfin_assets.core.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
@@ -102,7 +102,7 @@ def build_sync_job(table: PartfinTable):
             writer_id=None,  # <table>-writer, as `partfin ingest`: one source position per table
             subtasks=cdc_source.subtasks,
             heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
-            accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator],
+            accumulators=PARTFIN_ACCUMULATORS,
         )
         try:
             source = cdc_source.open(table)
