@@ -180,3 +180,10 @@ def test_bad_batch_schema_is_refused_with_a_clear_error(catalog):
     bad = pa.table({"key": ['{"id":1}'], "event_time": pa.array([T0_US], pa.timestamp("us", tz="UTC"))})
     with pytest.raises(ValueError, match="not the CDC record schema"):
         writer.write_checkpoint(ChangeBatch(bad, offset="o"))
+
+
+def test_a_processor_without_its_accumulator_is_refused_up_front(catalog):
+    from partfin_assets.core.watermark_processor import WatermarkProcessor
+
+    with pytest.raises(ValueError, match=r"WatermarkProcessor needs accumulator\(s\) \['event-time'\]"):
+        CdcWriter(catalog, ORDERS, accumulators=[], processors=[WatermarkProcessor()])

@@ -11,7 +11,6 @@ that already landed is never committed twice.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import signal
@@ -155,6 +154,9 @@ class CommitProcessor:
     post_commit runs once, after the commit landed.
     """
 
+    # names of the accumulators whose merged results pre_commit reads
+    required_accumulators: ClassVar[tuple[str, ...]] = ()
+
     def pre_commit(self, ctx: CommitContext) -> None:
         pass
 
@@ -226,6 +228,11 @@ class CdcWriter:
         self.accumulators = list(accumulators) if accumulators is not None else [EventTimeAccumulator]
         self.processors = list(processors) if processors is not None else [WatermarkProcessor()]
         self.retention = retention if retention is not None else Retention()
+        registered = {acc.name for acc in self.accumulators}
+        for processor in self.processors:
+            missing = [name for name in processor.required_accumulators if name not in registered]
+            if missing:
+                raise ValueError(f"{type(processor).__name__} needs accumulator(s) {missing}; register them with the writer")
         self.heartbeat_interval_us = int(heartbeat_interval_s * 1_000_000)
         self.table = ensure_cdc_tables(catalog, spec)
         position = last_writer_position(self.table.metadata, self.writer_id)
@@ -430,15 +437,3 @@ def crash_point(name: str) -> None:
     if remaining <= 0:
         os.kill(os.getpid(), signal.SIGKILL)
     os.environ["PARTFIN_CRASH_AT"] = f"{name}:{remaining}"
-
-
-def late_records_by_hour(event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
-    late = event_time_us[event_time_us < watermark_us]
-    if late.size == 0:
-        return {}
-    hours, counts = np.unique(late // 3_600_000_000 * 3_600_000_000, return_counts=True)
-    return {iso_z(int(h)): int(c) for h, c in zip(hours, counts)}
-
-
-def dumps_compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)

@@ -7,13 +7,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of
-from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes, late_records_by_hour
-from partfin_assets.core.timeutil import iso_z, parse_iso, to_us
+from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes
+from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, parse_iso, to_us
 from partfin_assets.core.watermark import WatermarkPolicy, advance
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,14 @@ def current_watermark_us(properties: dict[str, str]) -> int | None:
     return to_us(parse_iso(value)) if value else None
 
 
+def late_records_by_hour(event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
+    late = event_time_us[event_time_us < watermark_us]
+    if late.size == 0:
+        return {}
+    hours, counts = np.unique(late // US_PER_HOUR * US_PER_HOUR, return_counts=True)
+    return {iso_z(int(h)): int(c) for h, c in zip(hours, counts)}
+
+
 def late_records_total(metadata: TableMetadata) -> int:
     """Running total carried by the newest commit that recorded one (survives snapshot expiry)."""
     for snapshot in lineage(metadata):
@@ -56,6 +65,8 @@ class WatermarkProcessor(CommitProcessor):
     Runs on every commit attempt against that attempt's fresh metadata, so the update is a
     compare-and-set: a concurrent writer's newer watermark is seen and never overwritten.
     """
+
+    required_accumulators = (EventTimeAccumulator.name,)
 
     def __init__(self, alert_hooks: list[Callable[[LateDataAlert], None]] | None = None) -> None:
         self.alert_hooks = alert_hooks if alert_hooks is not None else [log_late_data]
