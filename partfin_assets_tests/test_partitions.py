@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime, timedelta
 
+import json
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from partfin_assets.core import summary_keys as K
@@ -135,3 +138,60 @@ def test_late_data_per_hour_names_commits(written):
 
 def test_watermark_regressions_found():
     assert watermark_regressions([(1, 10), (2, 20), (3, 15)])[0][1].snapshot_id == 3
+
+
+def test_rewrites_and_replays_are_not_counted_as_new_records(written):
+    """Compaction, privacy delete and replay commits of cdc add files too; only INTO records are new.
+
+    upsert_reports merges the per-hour stats of every cdc snapshot an upsert read: PyIceberg's
+    `partitions.*` added-records of a compaction (or a delete's rewritten files, or a replayed
+    hour's whole content) must not show up as new records of base partitions.
+    """
+    from partfin_assets.core.compaction import compact
+    from partfin_assets.core.partitions import new_record_hours, new_records_by_hour, upsert_reports
+    from partfin_assets.core.privacy import privacy_delete
+    from partfin_assets.core.replay import replay_hour
+    from partfin_assets.sources.base import CDC_RECORD_SCHEMA
+
+    catalog, results = written
+    ingested = sum(r.records for r in results)
+    into = [r.summary for r in results if r.snapshot_id is not None]
+    assert sum(s.records for summary in into for s in checkpoint_hours(summary)) == ingested
+    assert all(new_record_hours(summary) == checkpoint_hours(summary) for summary in into)
+
+    assert compact(catalog, "cdc.orders").snapshot_id is not None
+    table = catalog.load_table("cdc.orders")
+    compaction = summary_of(table.current_snapshot())
+    assert compaction[K.JOB_KIND] == "MERGE" and any(k.startswith("partitions.") for k in compaction)
+    assert sum(h.records for h in checkpoint_hours(compaction)) > 0  # PyIceberg counts the rewritten records
+    assert new_records_by_hour(compaction) == {} and new_record_hours(compaction) == []
+
+    # a replay of the first hour with its own records plus 2 new ones: 2 new records, in that hour only
+    rows = table.scan().to_arrow()
+    first_hour = min(int(t.timestamp() * 1_000_000) // US_PER_HOUR * US_PER_HOUR for t in rows.column("event_time").to_pylist())
+    in_hour = rows.filter(
+        np.array([first_hour <= int(t.timestamp() * 1_000_000) < first_hour + US_PER_HOUR for t in rows.column("event_time").to_pylist()])
+    ).select(CDC_RECORD_SCHEMA.names)
+    extra = in_hour.slice(0, 2).to_pylist()
+    for i, row in enumerate(extra):
+        row["source_seq"] = 10**9 + i
+    records = in_hour.cast(CDC_RECORD_SCHEMA).to_pylist() + extra
+    replayed = replay_hour(catalog, "orders", first_hour, pa.Table.from_pylist(records, CDC_RECORD_SCHEMA))
+    assert replayed.added_records == 2 and replayed.records == in_hour.num_rows + 2
+    replay = summary_of(catalog.load_table("cdc.orders").current_snapshot())
+    assert replay[K.JOB_KIND] == "OVERWRITE"
+    assert partition_counts(replay)[first_hour] == in_hour.num_rows + 2  # PyIceberg counts the whole hour
+    # the replay's partition metadata shows the hour's content; only 2 records are new
+    assert [(h.hour_us, h.records) for h in checkpoint_hours(replay)] == [(first_hour, in_hour.num_rows + 2)]
+    hours = new_record_hours(replay)
+    assert [(h.hour_us, h.records) for h in hours] == [(first_hour, 2)]
+    assert hours[0].min_us is not None  # event-time stats of the hour's content stay
+
+    key = json.loads(in_hour.column("key")[0].as_py())
+    deleted = privacy_delete(catalog, "orders", [key], request_id="r1")
+    assert deleted.cdc_deleted > 0
+    delete = summary_of(catalog.load_table("cdc.orders").current_snapshot())
+    assert delete[K.JOB_KIND] == "UPDATE/DELETE" and new_record_hours(delete) == []
+
+    reports = upsert_reports("orders", [*into, compaction, replay, delete], [], 1, None, 0)
+    assert sum(r.stats.records for r in reports) == ingested + 2

@@ -15,6 +15,7 @@ take and return epoch microseconds as everywhere else in core.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,44 @@ def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
     return out
 
 
+# Job kinds (core/commit.py JobKind values, in `partfin.job-kind`) of cdc commits that rewrite
+# records already there (compaction) or remove some (privacy delete): no new records in any hour.
+REWRITE_JOB_KINDS = frozenset({"MERGE", "UPDATE/DELETE"})
+OVERWRITE_JOB_KIND = "OVERWRITE"
+
+
+def new_records_by_hour(summary: Mapping[str, str]) -> dict[int, int] | None:
+    """Records one cdc commit brought into each hour as *new* records, by its `partfin.job-kind`.
+
+    INTO (the CDC writer; also commits without the key): PyIceberg's `partitions.*` added-records,
+    or None when the commit has no partition summaries (checkpoint_hours then decides).
+    OVERWRITE (a replay): only the records new to the replayed hour (`partfin.replay.added-records`),
+    not the hour's whole rewritten content. MERGE and UPDATE/DELETE: none, although their
+    `partitions.*` added-records count every record of the files they rewrote.
+    """
+    kind = summary.get(K.JOB_KIND)
+    if kind in REWRITE_JOB_KINDS:
+        return {}
+    if kind == OVERWRITE_JOB_KIND:
+        hour = summary.get(K.REPLAY_HOUR)
+        return {to_us(parse_iso(hour)): int(summary.get(K.REPLAY_ADDED_RECORDS, "0"))} if hour else {}
+    return partition_counts(summary) or None
+
+
+def new_record_hours(summary: Mapping[str, str]) -> list[HourStats]:
+    """checkpoint_hours with `records` = the new records of each hour (see new_records_by_hour).
+
+    What per-hour record counts summed over several commits must use (the CDC snapshots an upsert
+    merged may include compactions, replays and privacy deletes). Event-time stats stay those the
+    commit recorded (for a replay: of the hour's content).
+    """
+    new = new_records_by_hour(summary)
+    hours = checkpoint_hours(summary)
+    if new is None:
+        return hours
+    return [dataclasses.replace(h, records=new[h.hour_us]) for h in hours if h.hour_us in new]
+
+
 def merge_hours(per_commit: Iterable[Iterable[HourStats]]) -> dict[int, HourStats]:
     """Per-hour stats over several commits (the CDC snapshots one upsert merged)."""
     grouped: dict[int, list[HourStats]] = {}
@@ -317,7 +356,7 @@ def upsert_reports(
     extra: Mapping[str, Any] | None = None,
 ) -> list[PartitionReport]:
     """Partitions of base/<table> one upsert changed, with the merged CDC commits' per-hour stats."""
-    merged = merge_hours(checkpoint_hours(s) for s in cdc_summaries)
+    merged = merge_hours(new_record_hours(s) for s in cdc_summaries)  # compactions, replays, deletes add no records
     out = []
     for hour in sorted(set(hours_touched) | set(merged)):
         stats = merged.get(hour, HourStats(hour, 0))
