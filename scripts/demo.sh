@@ -7,7 +7,8 @@ scripts/setup.sh
 export PARTFIN_HOME=${PARTFIN_HOME:-$PWD/.partfin}
 export DAGSTER_HOME=${DAGSTER_HOME:-$PARTFIN_HOME/dagster}
 mkdir -p "$DAGSTER_HOME"
-cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# PARTFIN_DAGSTER_CONFIG=dagster.postgres.yaml keeps the instance in PostgreSQL (README: Production)
+cp "${PARTFIN_DAGSTER_CONFIG:-dagster.yaml}" "$DAGSTER_HOME/dagster.yaml"
 # hourly partitions from two days ago, so the replayed 24 hours fill the UI's partition bar
 export PARTFIN_PARTITIONS_START=${PARTFIN_PARTITIONS_START:-$(date -u -d '2 days ago' +%Y-%m-%d-00:00)}
 # job control: dagster dev maps SIGTERM to its SIGINT handler only in its own process group
