@@ -59,7 +59,11 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
         crash_at = f"{moment}:{rng.randint(1, 4)}" if moment != "timed" else None
         process = ingest(home, crash_at)
         if moment == "timed":
-            time.sleep(rng.uniform(1.0, 3.5))
+            # after a random number of this run's checkpoints, at a random point of the next one
+            for _ in range(rng.randint(1, 3)):
+                if not process.stderr.readline():
+                    break
+            time.sleep(rng.uniform(0.0, 0.2))
             process.send_signal(signal.SIGKILL)
         _, stderr = process.communicate(timeout=300)
         if process.returncode == -signal.SIGKILL:
