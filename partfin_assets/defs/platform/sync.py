@@ -1,8 +1,10 @@
 """cdc/<table> and base/<table>: the CDC writer and the upsert, run by Dagster on a short cadence.
 
-Both layers are stream-fed, so they are declared as hourly-partitioned asset specs and the
-sync job's ops report, per commit, a materialization for every hour partition the commit
-touched (records, event-time min/max/p50/p99, watermark, late records, lag, finalized).
+Both layers are stream-fed and hourly partitioned: the sync job's ops report, per commit, a
+materialization for every hour partition the commit touched (records, event-time
+min/max/p50/p99, watermark, late records, lag, finalized). base/<table> is an asset spec;
+cdc/<table> is an executable asset whose own materialization replays an hour from the source
+(defs/platform/replay.py). A conflict of the upsert (UpsertConflict) retries the upsert op.
 """
 
 import time
@@ -38,25 +40,20 @@ from partfin_assets.core.partitions import (
 from partfin_assets.core.sink import CdcWriter
 from partfin_assets.core.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.defs.metadata import dagster_metadata
+from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
 
-def layer_specs(table: PartfinTable) -> list[AssetSpec]:
+def layer_specs(table: PartfinTable) -> list:
+    """cdc/<table> (an executable asset: a manual materialization replays the hour, defs/platform/replay.py)
+    and base/<table> (a spec: only the sync job's upsert writes it)."""
     partitions = table.partitions_def()
     return [
-        AssetSpec(
-            table.cdc_key,
-            description=f"cdc.{table.name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
-            f"Written by the `sync_{table.name}` job; every checkpoint reports the hours it touched.",
-            group_name="platform",
-            owners=[table.platform_owner],
-            kinds={"iceberg"},
-            partitions_def=partitions,
-            metadata={"iceberg_table": f"cdc.{table.name}", "watermark_policy": table.spec.watermark_policy},
-        ),
+        build_cdc_asset(table),
         AssetSpec(
             table.base_key,
             deps=[table.cdc_key],
@@ -147,7 +144,8 @@ def build_sync_job(table: PartfinTable):
 
         iceberg = catalog.load()
         ensure_base_table(iceberg, table.spec)
-        result = run_upsert(iceberg, name)
+        with retry_on_conflict(context, f"upsert into base.{name}"):  # UpsertConflict: re-plan from a fresh snapshot
+            result = run_upsert(iceberg, name)
         context.log.info(result.describe())
         if result.base_snapshot_id is None:
             return
