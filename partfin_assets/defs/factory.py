@@ -6,6 +6,7 @@ from dagster import Definitions
 
 from partfin_assets.defs.checks.watermark_checks import build_checks, build_checks_sensor
 from partfin_assets.defs.downstream.activity import build_activity_asset
+from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_maintenance_job, build_privacy_job
 from partfin_assets.defs.finalization.sensor import build_finalization_sensor, finalized_spec
 from partfin_assets.defs.platform.sync import build_sync_job, build_sync_sensor, layer_specs
 from partfin_assets.defs.tables import PartfinTable
@@ -15,10 +16,13 @@ def table_definitions(table: PartfinTable) -> Definitions:
     sync_job = build_sync_job(table)
     activity, activity_job = build_activity_asset(table)
     checks, checks_job = build_checks(table)
+    compaction_job, compaction_schedule = build_compaction_job(table)
+    maintenance_job, maintenance_schedule = build_maintenance_job(table)
     return Definitions(
         assets=[*layer_specs(table), finalized_spec(table), activity],
         asset_checks=checks,
-        jobs=[sync_job, activity_job, checks_job],
+        jobs=[sync_job, activity_job, checks_job, compaction_job, build_privacy_job(table), maintenance_job],
+        schedules=[compaction_schedule, maintenance_schedule],
         sensors=[
             build_sync_sensor(table, sync_job),
             build_finalization_sensor(table, activity_job),

@@ -32,6 +32,10 @@ class PartfinTable:
     sync_interval_seconds: int = 30
     finalization_interval_seconds: int = 15
     checks_interval_seconds: int = 60
+    # table maintenance jobs (defs/maintenance): cron schedules in UTC
+    compaction_cron: str = "15 * * * *"  # compact_<name>: hourly, a quarter past (hours finalize on the hour)
+    maintenance_cron: str = "30 3 * * *"  # maintain_<name>: daily
+    orphan_min_age_seconds: int = 24 * 3600  # orphan-file removal never deletes younger files
     # ownership
     platform_owner: str = "team:platform"
     downstream_owner: str = "team:analytics"
@@ -81,6 +85,18 @@ def sensor_default_status(kind: str):
     wanted = os.environ.get("PARTFIN_SENSORS")
     enabled = kind in SENSOR_KINDS if wanted is None else kind in {w.strip() for w in wanted.split(",")}
     return DefaultSensorStatus.RUNNING if enabled else DefaultSensorStatus.STOPPED
+
+
+SCHEDULE_KINDS = ("compact", "maintain")
+
+
+def schedule_default_status(kind: str):
+    """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain; empty: none) starts only those."""
+    from dagster import DefaultScheduleStatus
+
+    wanted = os.environ.get("PARTFIN_SCHEDULES")
+    enabled = kind in SCHEDULE_KINDS if wanted is None else kind in {w.strip() for w in wanted.split(",")}
+    return DefaultScheduleStatus.RUNNING if enabled else DefaultScheduleStatus.STOPPED
 
 
 def sensor_interval(kind: str, declared: int) -> int:

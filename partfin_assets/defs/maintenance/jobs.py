@@ -1,0 +1,234 @@
+"""Table jobs of each declared table: compaction, privacy delete, maintenance (DESIGN §6).
+
+- `compact_<table>` (MERGE; schedule hourly, on by default): small-file compaction of the
+  finalized hours of cdc.<table>, then of base.<table>; files before/after are recorded as an
+  AssetObservation of cdc/<table> and base/<table>.
+- `privacy_delete_<table>` (UPDATE/DELETE; launched by hand with run config `keys` and
+  `request_id`): deletes the rows of those primary keys from cdc.<table>, then base.<table>;
+  re-running the same request finishes a crashed one. Records deleted per table are recorded.
+- `maintain_<table>` (schedule daily, on by default): snapshot expiry, then orphan-file removal
+  of both tables (files younger than `orphan_min_age_seconds` are never deleted).
+
+Every op that can lose a race (CommitConflictError, UpsertConflict) is retried from a fresh
+snapshot, bounded (defs/retry.py). Runs carry `partfin/maintenance: <table>` (compaction and
+maintenance of a table never overlap) or `partfin/privacy: <table>`, limited to 1 in dagster.yaml.
+"""
+
+
+from typing import Any
+
+from dagster import (
+    AssetObservation,
+    Config,
+    In,
+    Nothing,
+    OpExecutionContext,
+    Out,
+    ScheduleDefinition,
+    in_process_executor,
+    job,
+    op,
+)
+from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+from partfin_assets.core import compaction as compaction_core
+from partfin_assets.core import maintenance as maintenance_core
+from partfin_assets.core import privacy as privacy_core
+from partfin_assets.core.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.core.maintenance import Retention
+from partfin_assets.defs.metadata import dagster_metadata
+from partfin_assets.defs.resources import IcebergCatalogResource
+from partfin_assets.defs.retry import retry_on_conflict
+from partfin_assets.defs.tables import PartfinTable, schedule_default_status
+
+
+def _exists(iceberg, identifier: str) -> bool:
+    try:
+        iceberg.load_table(identifier)
+        return True
+    except (NoSuchTableError, NoSuchNamespaceError):
+        return False
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+class CompactionConfig(Config):
+    target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE
+    min_input_files: int = 2  # a partition is rewritten when it has at least this many small files
+
+
+def _compact_op(table: PartfinTable, layer: str):
+    name = table.name
+    identifier = f"{layer}.{name}"
+    asset_key = table.cdc_key if layer == "cdc" else table.base_key
+
+    @op(name=f"compact_{layer}_{name}", ins={"after": In(Nothing)}, out=Out(Nothing), tags={"kind": "iceberg"})
+    def compact_op(context: OpExecutionContext, config: CompactionConfig, catalog: IcebergCatalogResource) -> None:
+        iceberg = catalog.load()
+        if not _exists(iceberg, identifier):
+            context.log.info(f"{identifier} does not exist yet: nothing to compact")
+            return
+        with retry_on_conflict(context, f"compaction of {identifier}"):
+            # a fresh MERGE job per attempt: it reads the snapshot current now
+            result = compaction_core.compact(
+                iceberg, identifier, target_file_size_bytes=config.target_file_size_bytes,
+                min_input_files=config.min_input_files, finalized_only=True,
+                job_id=f"dagster-{context.run_id}-{identifier}-{context.retry_number}",
+            )
+        context.log.info(result.describe())
+        metadata = {
+            "iceberg_table": identifier,
+            "snapshot_id": result.snapshot_id,
+            "partitions_compacted": len(result.partitions),
+            "files_before": result.files_before,
+            "files_after": result.files_after,
+            "bytes_rewritten": sum(p.bytes_rewritten for p in result.partitions),
+            "bytes_written": sum(p.bytes_written for p in result.partitions),
+            "records_rewritten": sum(p.records for p in result.partitions),
+            "skipped_not_finalized": len(result.skipped_not_finalized),
+            "attempt": context.retry_number + 1,
+            "per_partition": {p.partition: {"files_before": p.files_before, "files_after": p.files_after} for p in result.partitions[:48]},
+        }
+        context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata({"compaction": True, **metadata})))
+
+    return compact_op
+
+
+def build_compaction_job(table: PartfinTable):
+    cdc_op, base_op = _compact_op(table, "cdc"), _compact_op(table, "base")
+
+    @job(
+        name=f"compact_{table.name}",
+        executor_def=in_process_executor,
+        description=f"Small-file compaction (MERGE) of the finalized hours of cdc.{table.name}, then of base.{table.name}.",
+        tags={"partfin/table": table.name, "partfin/maintenance": table.name},
+    )
+    def compaction_job():
+        base_op(after=cdc_op())
+
+    schedule = ScheduleDefinition(
+        name=f"compact_{table.name}_schedule",
+        job=compaction_job,
+        cron_schedule=table.compaction_cron,
+        execution_timezone="UTC",
+        default_status=schedule_default_status("compact"),
+        description=f"Compacts {table.name} hourly; a run with nothing to compact commits nothing.",
+    )
+    return compaction_job, schedule
+
+
+# --------------------------------------------------------------------------- privacy delete
+
+
+class PrivacyDeleteConfig(Config):
+    keys: list[dict[str, Any]]  # primary keys to erase, e.g. [{"id": 42}]
+    request_id: str  # the same id resumes a crashed request; recorded in snapshot summaries (never the keys)
+
+
+def build_privacy_job(table: PartfinTable):
+    name = table.name
+
+    @op(name=f"privacy_delete_{name}_op", out=Out(Nothing), tags={"kind": "iceberg"})
+    def privacy_op(context: OpExecutionContext, config: PrivacyDeleteConfig, catalog: IcebergCatalogResource) -> None:
+        pk = set(table.spec.primary_key)
+        for key in config.keys:
+            if set(key) != pk:
+                raise ValueError(f"key {key} does not name exactly the primary key {sorted(pk)} of {name}")
+        iceberg = catalog.load()
+        with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
+            result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id)
+        context.log.info(
+            f"privacy delete {config.request_id}: {result.cdc_deleted} record(s) deleted from cdc.{name}, "
+            f"{result.base_deleted} from base.{name} ({len(config.keys)} key(s))"
+        )
+        for asset_key, identifier, results, deleted in (
+            (table.cdc_key, f"cdc.{name}", result.cdc, result.cdc_deleted),
+            (table.base_key, f"base.{name}", result.base, result.base_deleted),
+        ):
+            context.log_event(
+                AssetObservation(
+                    asset_key=asset_key,
+                    metadata=dagster_metadata({
+                        "privacy_request_id": config.request_id,
+                        "iceberg_table": identifier,
+                        "deleted_records": deleted,
+                        "files_rewritten": sum(r.files_rewritten for r in results),
+                        "snapshot_ids": [r.snapshot_id for r in results],
+                        "keys": len(config.keys),
+                    }),
+                )
+            )
+
+    @job(
+        name=f"privacy_delete_{name}",
+        executor_def=in_process_executor,
+        description=f"Deletes every row of the given primary keys from cdc.{name}, then base.{name}. Run config: "
+        "keys (list of {column: value}), request_id (re-running the same request resumes it). Old files stay "
+        f"referenced by older snapshots until maintain_{name} expires them and removes the orphans.",
+        tags={"partfin/table": name, "partfin/privacy": name},
+    )
+    def privacy_job():
+        privacy_op()
+
+    return privacy_job
+
+
+# --------------------------------------------------------------------------- snapshot expiry + orphan files
+
+
+class MaintenanceConfig(Config):
+    keep_last: int = Retention.keep_last  # newest snapshots always kept (plus the policy's window and writer positions)
+    orphan_min_age_seconds: int | None = None  # default: the table declaration's orphan_min_age_seconds
+    dry_run: bool = False  # list orphan files without deleting them
+
+
+def build_maintenance_job(table: PartfinTable):
+    name = table.name
+
+    @op(name=f"expire_snapshots_{name}", out=Out(Nothing), tags={"kind": "iceberg"})
+    def expire_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
+        iceberg = catalog.load()
+        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
+            if not _exists(iceberg, identifier):
+                continue
+            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last))
+            left = len(iceberg.load_table(identifier).metadata.snapshots)
+            context.log.info(f"{identifier}: {expired} snapshot(s) expired, {left} kept")
+            context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata(
+                {"iceberg_table": identifier, "snapshots_expired": expired, "snapshots_kept": left})))
+
+    @op(name=f"remove_orphans_{name}", ins={"after": In(Nothing)}, out=Out(Nothing), tags={"kind": "iceberg"})
+    def orphans_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
+        iceberg = catalog.load()
+        age = config.orphan_min_age_seconds if config.orphan_min_age_seconds is not None else table.orphan_min_age_seconds
+        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
+            if not _exists(iceberg, identifier):
+                continue
+            report = maintenance_core.remove_orphan_files(iceberg, identifier, older_than_s=age, dry_run=config.dry_run)
+            context.log.info(f"{identifier}: {len(report.orphans)} orphan file(s) {'found' if config.dry_run else 'deleted'}, "
+                             f"{len(report.too_young)} younger than {age}s kept")
+            context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata({
+                "iceberg_table": identifier, "orphan_files": len(report.orphans), "orphan_bytes": report.bytes_orphaned,
+                "too_young": len(report.too_young), "files_scanned": report.scanned, "dry_run": config.dry_run,
+                "orphan_min_age_seconds": age})))
+
+    @job(
+        name=f"maintain_{name}",
+        executor_def=in_process_executor,
+        description=f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
+        f"removal, of cdc.{name} and base.{name}.",
+        tags={"partfin/table": name, "partfin/maintenance": name},
+    )
+    def maintenance_job():
+        orphans_op(after=expire_op())
+
+    schedule = ScheduleDefinition(
+        name=f"maintain_{name}_schedule",
+        job=maintenance_job,
+        cron_schedule=table.maintenance_cron,
+        execution_timezone="UTC",
+        default_status=schedule_default_status("maintain"),
+        description=f"Expires snapshots and removes orphan files of {name} daily.",
+    )
+    return maintenance_job, schedule

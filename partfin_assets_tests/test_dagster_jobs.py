@@ -1,0 +1,262 @@
+"""Table jobs in Dagster, in process: replay as a cdc partition materialization, compaction with a
+conflict retry, privacy delete (resumable), maintenance, and the instance's per-table limits."""
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, RunConfig
+
+from partfin_assets.core import compaction as compaction_core
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.commit import JobKind
+from partfin_assets.core.compaction import files_per_partition
+from partfin_assets.core.conflicts import Job, live_files, read_files
+from partfin_assets.core.partitions import hour_from_key, is_finalized, watermark_of
+from partfin_assets.core.timeutil import US_PER_HOUR
+from partfin_assets.sources.synthetic import ORDERS_SPEC
+
+REPO = Path(__file__).resolve().parents[1]
+START = "2026-01-01T00:00:00Z"
+STREAM = f"synthetic:start={START},end=2026-01-01T05:30:00Z,rate=0.3,late_fraction=0.01,idle_every=off,seed=9"
+CDC, BASE = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
+
+
+@pytest.fixture
+def synced(tmp_path, monkeypatch):
+    """Definitions for one orders table, an ephemeral instance, and cdc/base written by one sync run."""
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PARTFIN_SOURCE", STREAM)
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", "2026-01-01-00:00")
+    monkeypatch.setenv("PARTFIN_MAX_RECORDS", "300")  # many small checkpoints: many small files per hour
+    monkeypatch.setenv("PARTFIN_MAX_CHECKPOINTS_PER_RUN", "100")
+    monkeypatch.setattr("partfin_assets.defs.retry.BACKOFF_SECONDS", 0.05)
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+
+    table = PartfinTable(spec=dataclasses.replace(ORDERS_SPEC, watermark_policy="percentile:0.05:last:2"), source=STREAM)
+    defs = build_definitions([table])
+    instance = DagsterInstance.ephemeral()
+    assert defs.resolve_job_def("sync_orders").execute_in_process(instance=instance).success
+    yield defs, instance, load_partfin_catalog(tmp_path / "home")
+    instance.dispose()
+
+
+def observations(instance, key):
+    records = instance.fetch_observations(AssetRecordsFilter(asset_key=key), limit=1000).records
+    return [r.event_log_entry.asset_observation.metadata for r in records]
+
+
+def hour_rows(catalog, hour_us):
+    table = catalog.load_table("cdc.orders")
+    rows = table.scan().to_arrow()
+    times = pc.cast(rows.column("event_time"), "int64")
+    rows = rows.filter(pc.and_(pc.greater_equal(times, hour_us), pc.less(times, hour_us + US_PER_HOUR)))
+    return sorted(zip(rows.column("key").to_pylist(), rows.column("source_seq").to_pylist()))
+
+
+def step_events(result, step_key, event_type):
+    return [e for e in result.all_events if e.step_key == step_key and e.event_type == event_type]
+
+
+def test_definitions_and_instance_limits():
+    from partfin_assets.definitions import defs
+    from partfin_assets.defs.tables import TABLES
+
+    repo = defs.get_repository_def()
+    for table in TABLES:
+        name = table.name
+        cdc = repo.asset_graph.get(table.cdc_key)
+        assert cdc.is_executable and cdc.is_materializable  # the UI's Materialize runs the replay
+        assets_def = repo.assets_defs_by_key[table.cdc_key]
+        assert assets_def.backfill_policy is None  # a backfill: one run per partition
+        assert assets_def.op.pool == f"partfin_replay_{name}"
+        assert not repo.asset_graph.get(table.base_key).is_executable
+        for job_name, tag in ((f"compact_{name}", "partfin/maintenance"), (f"maintain_{name}", "partfin/maintenance"),
+                              (f"privacy_delete_{name}", "partfin/privacy"), (f"sync_{name}", "partfin/writer")):
+            assert tag in repo.get_job(job_name).tags, job_name
+        schedules = {s.name: s for s in repo.schedule_defs}
+        for schedule in (f"compact_{name}_schedule", f"maintain_{name}_schedule"):
+            assert schedules[schedule].default_status.value == "RUNNING"
+
+    home = Path(__import__("tempfile").mkdtemp())
+    try:
+        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+        instance = DagsterInstance.from_config(str(home))
+        config = instance.get_concurrency_config()
+        limits = {t["key"]: t for t in config.run_queue_config.tag_concurrency_limits}
+        for key, limit in (("partfin/writer", 1), ("partfin/downstream", 2), ("partfin/maintenance", 1), ("partfin/privacy", 1)):
+            assert limits[key]["limit"] == limit and limits[key]["value"] == {"applyLimitPerUniqueValue": True}
+        assert config.run_queue_config.max_concurrent_runs == 4
+        assert config.pool_config.default_pool_limit == 1 and config.pool_config.pool_granularity.value == "run"
+        assert instance.run_retries_enabled
+        instance.dispose()
+    finally:
+        shutil.rmtree(home)
+
+
+def test_replay_is_the_cdc_partition_materialization(synced):
+    defs, instance, catalog = synced
+    watermark = watermark_of(catalog.load_table("cdc.orders").properties)
+    key = "2026-01-01-01:00"
+    hour = hour_from_key(key)
+    assert is_finalized(hour, watermark)
+    ingested = hour_rows(catalog, hour)
+    assert ingested
+
+    # a privacy delete of one key that has rows in the hour (records per table, by request id)
+    deleted_key = {"id": int(__import__("json").loads(ingested[0][0])["id"])}
+    privacy = defs.resolve_job_def("privacy_delete_orders")
+    config = RunConfig(ops={"privacy_delete_orders_op": {"config": {"keys": [deleted_key], "request_id": "req-1"}}})
+    assert privacy.execute_in_process(instance=instance, run_config=config).success
+    by_table = {str(m["iceberg_table"].value): m for m in observations(instance, CDC) + observations(instance, BASE)
+                if "privacy_request_id" in m}
+    assert by_table["cdc.orders"]["deleted_records"].value > 0 and by_table["base.orders"]["deleted_records"].value > 0
+    lost = len(ingested) - len(hour_rows(catalog, hour))
+    assert lost > 0
+
+    # the same request again: resumes, nothing left to delete, still succeeds
+    assert privacy.execute_in_process(instance=instance, run_config=config).success
+    for asset in (CDC, BASE):
+        newest, first = [m for m in observations(instance, asset) if "privacy_request_id" in m]  # newest first
+        assert newest["deleted_records"].value == 0 and first["deleted_records"].value > 0
+
+    # materializing cdc/orders partition H = replay of H from the source: the hour is whole again
+    replay_job = defs.resolve_implicit_global_asset_job_def()
+    result = replay_job.execute_in_process(instance=instance, partition_key=key, asset_selection=[CDC])
+    assert result.success
+    assert hour_rows(catalog, hour) == ingested
+    (event,) = [e for e in result.get_asset_materialization_events()]
+    meta = event.materialization.metadata
+    assert event.materialization.partition == key
+    assert meta["records"].value == len(ingested) and meta["added_records"].value == lost
+    assert meta["removed_records"].value == 0 and meta["replaced_records"].value == len(ingested) - lost
+    for name in ("event_time_min", "event_time_p50", "event_time_p99", "event_time_max", "watermark", "finalized",
+                 "lag_seconds", "late_records", "snapshot_id", "job_id"):
+        assert name in meta, name
+    assert meta["finalized"].value is True and meta["late_records"].value == lost
+    snapshot = catalog.load_table("cdc.orders").current_snapshot()
+    assert snapshot.summary.additional_properties["partfin.job-kind"] == JobKind.OVERWRITE.value
+    assert watermark_of(catalog.load_table("cdc.orders").properties) == watermark  # a replay never moves it
+
+    # several hours (what a backfill runs: one run per partition); an open hour is refused unless forced
+    for other in ("2026-01-01-00:00", "2026-01-01-02:00"):
+        before = hour_rows(catalog, hour_from_key(other))
+        assert replay_job.execute_in_process(instance=instance, partition_key=other, asset_selection=[CDC]).success
+        assert hour_rows(catalog, hour_from_key(other)) == before
+    open_key = "2026-01-01-05:00"
+    refused = replay_job.execute_in_process(instance=instance, partition_key=open_key, asset_selection=[CDC], raise_on_error=False)
+    assert not refused.success
+    (failure,) = [e for e in refused.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert "not finalized" in str(failure.event_specific_data.user_failure_data) + failure.event_specific_data.error.message
+    forced = replay_job.execute_in_process(
+        instance=instance, partition_key=open_key, asset_selection=[CDC],
+        run_config=RunConfig(ops={"cdc__orders": {"config": {"force": True}}}),
+    )
+    assert forced.success
+
+    # the next sync run's upsert counts no replayed or deleted records as new
+    assert defs.resolve_job_def("sync_orders").execute_in_process(instance=instance).success
+
+
+def test_compaction_loses_a_race_once_and_succeeds_on_its_second_attempt(synced, monkeypatch):
+    defs, instance, catalog = synced
+    before = catalog.load_table("cdc.orders").scan().to_arrow().num_rows
+    watermark = watermark_of(catalog.load_table("cdc.orders").properties)
+    files_before = files_per_partition(catalog, "cdc.orders")
+    assert max(files_before.values()) > 2
+    raced: list[str] = []
+    real_compact = compaction_core.compact
+
+    def append_into_target(job: Job) -> None:
+        """Commits 3 rows into a partition the compaction is about to rewrite (once)."""
+        if raced or job.identifier != "cdc.orders":
+            return
+        partition = sorted(job.partitions)[0]
+        raced.append(partition)
+        with Job.start(catalog, "cdc.orders", JobKind.INTO) as writer:
+            rows = read_files(writer.table, live_files(writer.table, None, [partition])[partition]).slice(0, 3)
+            rows = rows.set_column(rows.schema.get_field_index("source_seq"), "source_seq", pc.add(rows.column("source_seq"), 10**12))
+            writer.commit_append(writer.write(rows))
+
+    def compact_with_race(*args, **kwargs):
+        return real_compact(*args, before_commit=append_into_target, **kwargs)
+
+    monkeypatch.setattr(compaction_core, "compact", compact_with_race)
+    result = defs.resolve_job_def("compact_orders").execute_in_process(instance=instance)
+    assert result.success and raced
+    assert len(step_events(result, "compact_cdc_orders", DagsterEventType.STEP_UP_FOR_RETRY)) == 1
+    assert len(step_events(result, "compact_cdc_orders", DagsterEventType.STEP_RESTARTED)) == 1
+    # the second attempt read a fresh snapshot: the raced rows are there and compacted too
+    table = catalog.load_table("cdc.orders")
+    assert table.scan().to_arrow().num_rows == before + 3
+    after = files_per_partition(catalog, "cdc.orders")
+    for partition, count in after.items():
+        hour = hour_from_key(partition.split("=")[1] + ":00")
+        if is_finalized(hour, watermark):
+            assert count == 1, (partition, count)
+    (cdc_obs,) = [m for m in observations(instance, CDC) if "compaction" in m]
+    assert cdc_obs["attempt"].value == 2
+    assert cdc_obs["files_before"].value > cdc_obs["files_after"].value
+    summary = table.current_snapshot().summary.additional_properties
+    assert summary["partfin.job-kind"] == JobKind.MERGE.value
+    assert any("compaction" in m for m in observations(instance, BASE))
+
+    # other errors fail at once, without a retry
+    def broken(*args, **kwargs):
+        raise ValueError("not a conflict")
+
+    monkeypatch.setattr(compaction_core, "compact", broken)
+    failed = defs.resolve_job_def("compact_orders").execute_in_process(instance=instance, raise_on_error=False)
+    assert not failed.success
+    assert not step_events(failed, "compact_cdc_orders", DagsterEventType.STEP_UP_FOR_RETRY)
+
+
+def test_conflict_retries_are_bounded(synced, monkeypatch):
+    defs, instance, catalog = synced
+    real_compact = compaction_core.compact
+
+    def always_lose(job: Job) -> None:
+        if job.identifier == "cdc.orders":
+            partition = sorted(job.partitions)[0]
+            with Job.start(catalog, "cdc.orders", JobKind.INTO) as writer:
+                rows = read_files(writer.table, live_files(writer.table, None, [partition])[partition][:1]).slice(0, 1)
+                writer.commit_append(writer.write(rows))
+
+    monkeypatch.setattr(compaction_core, "compact", lambda *a, **k: real_compact(*a, before_commit=always_lose, **k))
+    result = defs.resolve_job_def("compact_orders").execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    assert len(step_events(result, "compact_cdc_orders", DagsterEventType.STEP_UP_FOR_RETRY)) == 3
+    (failure,) = step_events(result, "compact_cdc_orders", DagsterEventType.STEP_FAILURE)
+    error = failure.event_specific_data.error
+    assert (error.cause or error).cls_name == "CommitConflictError"  # 4 attempts in all, then the conflict itself
+
+
+def test_maintenance_expires_snapshots_and_removes_orphans(synced):
+    defs, instance, catalog = synced
+    rows = catalog.load_table("cdc.orders").scan().to_arrow().num_rows
+    assert defs.resolve_job_def("compact_orders").execute_in_process(instance=instance).success
+    # a file no snapshot references (what a crashed writer leaves behind), two days old
+    location = catalog.load_table("cdc.orders").metadata.location
+    stray = Path(location.removeprefix("file://")) / "data" / "stray-crashed-writer.parquet"
+    stray.write_bytes(b"PAR1")
+    os.utime(stray, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    young = stray.with_name("young.parquet")
+    young.write_bytes(b"PAR1")
+    config = {"keep_last": 1, "orphan_min_age_seconds": 3600}
+    result = defs.resolve_job_def("maintain_orders").execute_in_process(
+        instance=instance, run_config=RunConfig(ops={"expire_snapshots_orders": {"config": config}, "remove_orphans_orders": {"config": config}})
+    )
+    assert result.success
+    obs = observations(instance, CDC)
+    expired = [m for m in obs if "snapshots_expired" in m and str(m["iceberg_table"].value) == "cdc.orders"]
+    orphans = [m for m in obs if "orphan_files" in m and str(m["iceberg_table"].value) == "cdc.orders"]
+    assert expired[0]["snapshots_expired"].value > 0
+    assert orphans[0]["orphan_files"].value >= 1 and orphans[0]["too_young"].value >= 1
+    assert not stray.exists() and young.exists()  # the safety age keeps files a running job may still commit
+    assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == rows
+    assert {str(m["iceberg_table"].value) for m in observations(instance, BASE) if "orphan_files" in m} == {"base.orders"}
