@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.catalog import PartfinConfigError, load_partfin_catalog
-from partfin_assets.core.partitions import PARTFIN_ACCUMULATORS
 from partfin_assets.core.sink import CdcWriter, CheckpointResult
 from partfin_assets.core.tablespec import PROP_COLUMNS, TableSpec, type_to_text
 
@@ -53,7 +52,7 @@ def _ingest(args: argparse.Namespace) -> int:
     catalog = load_partfin_catalog()
     spec = _ingest_spec(catalog, args)
     source = make_source(args.source, spec, primary_key=args.primary_key, **({"follow": True} if args.follow else {}))
-    writer = CdcWriter(catalog, spec, writer_id=args.writer_id, subtasks=args.subtasks, accumulators=PARTFIN_ACCUMULATORS)
+    writer = CdcWriter(catalog, spec, writer_id=args.writer_id, subtasks=args.subtasks)
     progress = _Progress(spec.cdc_identifier)
     try:
         for result in writer.run(source, max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints):

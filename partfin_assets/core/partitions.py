@@ -101,8 +101,8 @@ class HourlyEventTimeAccumulator(Accumulator):
         return {EVENT_TIME_BY_HOUR: encode_by_hour(by_hour)}
 
 
-# What every partfin CDC writer records (CLI and Dagster alike): the DESIGN §4 event-time stats
-# plus the per-hour entry the partition metadata reads.
+# CdcWriter's default accumulators, so every partfin writer (CLI and Dagster alike) records the
+# DESIGN §4 event-time stats plus the per-hour entry the partition metadata reads.
 PARTFIN_ACCUMULATORS = (EventTimeAccumulator, HourlyEventTimeAccumulator)
 
 

@@ -217,6 +217,8 @@ class CdcWriter:
         retention: Retention | None = None,
         heartbeat_interval_s: float = 60.0,
     ) -> None:
+        # deferred: both modules build on this one
+        from partfin_assets.core.partitions import PARTFIN_ACCUMULATORS
         from partfin_assets.core.watermark_processor import WatermarkProcessor
 
         if subtasks < 1:
@@ -225,7 +227,7 @@ class CdcWriter:
         self.spec = spec
         self.writer_id = writer_id or f"{spec.name}-writer"
         self.subtasks = subtasks
-        self.accumulators = list(accumulators) if accumulators is not None else [EventTimeAccumulator]
+        self.accumulators = list(accumulators) if accumulators is not None else list(PARTFIN_ACCUMULATORS)
         self.processors = list(processors) if processors is not None else [WatermarkProcessor()]
         self.retention = retention if retention is not None else Retention()
         registered = {acc.name for acc in self.accumulators}
