@@ -92,7 +92,7 @@ def test_definitions_and_instance_limits():
         for key, limit in (("partfin/writer", 1), ("partfin/downstream", 2), ("partfin/maintenance", 1), ("partfin/privacy", 1)):
             assert limits[key]["limit"] == limit and limits[key]["value"] == {"applyLimitPerUniqueValue": True}
         assert config.run_queue_config.max_concurrent_runs == 4
-        assert config.pool_config.default_pool_limit == 1 and config.pool_config.pool_granularity.value == "run"
+        assert config.pool_config.default_pool_limit == 1 and config.pool_config.pool_granularity.value == "op"
         assert instance.run_retries_enabled
         instance.dispose()
     finally:
@@ -260,3 +260,67 @@ def test_maintenance_expires_snapshots_and_removes_orphans(synced):
     assert not stray.exists() and young.exists()  # the safety age keeps files a running job may still commit
     assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == rows
     assert {str(m["iceberg_table"].value) for m in observations(instance, BASE) if "orphan_files" in m} == {"base.orders"}
+
+
+@pytest.mark.timeout(240)
+def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
+    """A backfill of cdc/orders over 3 hours, run by a real dagster-daemon with the repo's dagster.yaml:
+    one run per partition, each a replay that leaves the hour as the source has it, never two at once
+    (pool partfin_replay_orders, limit 1)."""
+    from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+    from dagster._core.utils import make_new_backfill_id
+
+    from partfin_assets.core.sink import CdcWriter
+    from partfin_assets.defs import build_definitions, devtools
+    from partfin_assets.defs.tables import PartfinTable
+    from partfin_assets.sources.registry import make_source
+
+    home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
+    env = devtools.dagster_env(
+        home, dagster_home, PARTFIN_SENSORS="", PARTFIN_SCHEDULES="", PARTFIN_SOURCE=STREAM,
+        PARTFIN_PARTITIONS_START="2026-01-01-00:00",
+    )
+    table = PartfinTable(spec=dataclasses.replace(ORDERS_SPEC, watermark_policy="percentile:0.05:last:2"), source=STREAM)
+    catalog = load_partfin_catalog(home)
+    writer = CdcWriter(catalog, table.spec)
+    try:
+        for _ in writer.run(make_source(STREAM, table.spec), max_records=2000):
+            pass
+    finally:
+        writer.close()
+    keys = ["2026-01-01-00:00", "2026-01-01-01:00", "2026-01-01-02:00"]
+    before = {k: hour_rows(catalog, hour_from_key(k)) for k in keys}
+
+    instance = DagsterInstance.from_config(str(dagster_home))
+    asset_graph = build_definitions([table]).get_repository_def().asset_graph
+    backfill = PartitionBackfill.from_asset_partitions(
+        backfill_id=make_new_backfill_id(), asset_graph=asset_graph, partition_names=keys, asset_selection=[CDC],
+        backfill_timestamp=time.time(), tags={}, dynamic_partitions_store=instance, all_partitions=False,
+        title="replay three hours", description=None, run_config=None,
+    )
+    instance.add_backfill(backfill)
+    proc = devtools.daemon(env, tmp_path / "daemon.log").start()
+    try:
+        devtools.wait_for(
+            lambda: instance.get_backfill(backfill.backfill_id).status != BulkActionStatus.REQUESTED, 180,
+            "the backfill to finish", on_timeout=proc.log_tail,
+        )
+    finally:
+        proc.stop()
+    assert instance.get_backfill(backfill.backfill_id).status == BulkActionStatus.COMPLETED_SUCCESS
+    runs = instance.get_runs()
+    assert sorted(r.tags["dagster/partition"] for r in runs) == keys and all(r.status.value == "SUCCESS" for r in runs)
+    spans = []  # the replay step of each run: never two at once
+    for run in runs:
+        (start,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "cdc__orders"]
+        (end,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_SUCCESS) if e.step_key == "cdc__orders"]
+        spans.append((start, end))
+    spans.sort()
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
+    for key in keys:
+        assert hour_rows(catalog, hour_from_key(key)) == before[key]
+    replays = [r.event_log_entry.asset_materialization for r in
+               instance.fetch_materializations(AssetRecordsFilter(asset_key=CDC), limit=100).records]
+    assert sorted(m.partition for m in replays) == keys
+    assert all(m.metadata["added_records"].value == 0 and m.metadata["removed_records"].value == 0 for m in replays)
+    instance.dispose()
