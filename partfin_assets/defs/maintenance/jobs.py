@@ -165,7 +165,8 @@ def build_privacy_job(table: PartfinTable):
         executor_def=in_process_executor,
         description=f"Deletes every row of the given primary keys from cdc.{name}, then base.{name}. Run config: "
         "keys (list of {column: value}), request_id (re-running the same request resumes it). Old files stay "
-        f"referenced by older snapshots until maintain_{name} expires them and removes the orphans.",
+        f"referenced by older snapshots until maintain_{name} expires them and removes the orphans. A later replay of "
+        f"a cdc/{name} hour reads the source again and brings back keys it still holds: re-run the request after it.",
         tags={"partfin/table": name, "partfin/privacy": name},
     )
     def privacy_job():
