@@ -30,7 +30,6 @@ from dagster import (
 
 from partfin_assets.core.history import summary_of
 from partfin_assets.core.partitions import (
-    PARTFIN_ACCUMULATORS,
     PartitionReport,
     checkpoint_reports,
     lag_seconds,
@@ -99,7 +98,6 @@ def build_sync_job(table: PartfinTable):
             writer_id=None,  # <table>-writer, as `partfin ingest`: one source position per table
             subtasks=cdc_source.subtasks,
             heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
-            accumulators=PARTFIN_ACCUMULATORS,
         )
         try:
             source = cdc_source.open(table)
