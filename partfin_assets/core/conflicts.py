@@ -43,7 +43,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.manifest import DataFile, ManifestEntryStatus
-from pyiceberg.table import FileScanTask, Table
+from pyiceberg.table import FileScanTask, Table, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
@@ -488,14 +488,7 @@ class Job:
         self.target_files(add)
 
         def stage(head, tx, snapshot_summary):
-            if not remove and not add:
-                return False
-            with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
-                for data_file in remove:
-                    overwrite.delete_data_file(data_file)
-                for data_file in add:
-                    overwrite.append_data_file(data_file)
-            return True
+            return _stage_file_swap(tx, snapshot_summary, remove, add)
 
         return self.commit(stage, summary=summary)
 
@@ -508,14 +501,7 @@ class Job:
 
         def stage(head, tx, snapshot_summary):
             replaced = [f for files in live_files(head, None, targets).values() for f in files]
-            if not replaced and not add:
-                return False
-            with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
-                for data_file in replaced:
-                    overwrite.delete_data_file(data_file)
-                for data_file in add:
-                    overwrite.append_data_file(data_file)
-            return True
+            return _stage_file_swap(tx, snapshot_summary, replaced, add)
 
         return self.commit(stage, summary=summary)
 
@@ -532,3 +518,15 @@ def retry_on_conflict(run: Callable[[], object], *, max_attempts: int = 5, on_co
             if on_conflict is not None:
                 on_conflict(exc, attempt)
     raise AssertionError("unreachable")
+
+
+def _stage_file_swap(tx: Transaction, snapshot_summary: dict[str, str], remove: list[DataFile], add: list[DataFile]) -> bool:
+    """Stage one overwrite snapshot that removes and adds whole data files; False when there is nothing to swap."""
+    if not remove and not add:
+        return False
+    with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
+        for data_file in remove:
+            overwrite.delete_data_file(data_file)
+        for data_file in add:
+            overwrite.append_data_file(data_file)
+    return True
