@@ -459,7 +459,7 @@ def test_named_pyiceberg_catalog_selected_by_configuration(postgres, tmp_path):
         "PYICEBERG_CATALOG__LAKE__URI": postgres.sqlalchemy_uri(database),
         "PYICEBERG_CATALOG__LAKE__WAREHOUSE": warehouse,
     }
-    result = partfin_cli(by_env, "ingest", "--table", "orders", "--source", "synthetic:hours=2,rate=1")
+    result = partfin_cli(by_env, "ingest", "--table", "orders", "--source", "synthetic:start=2026-11-01T00:00:00Z,end=2026-11-01T02:00:00Z,rate=1")  # < 10,000 events: one checkpoint
     assert result.returncode == 0, result.stderr
 
     config_dir = tmp_path / "pyiceberg"
