@@ -76,26 +76,27 @@ class PartfinTable:
 
 
 SENSOR_KINDS = ("sync", "finalize", "checks")
+SCHEDULE_KINDS = ("compact", "maintain")
+
+
+def _enabled(kind: str, kinds: tuple[str, ...], variable: str) -> bool:
+    """All `kinds` start on unless `variable` lists a subset (comma separated; empty: none)."""
+    wanted = os.environ.get(variable)
+    return kind in kinds if wanted is None else kind in {w.strip() for w in wanted.split(",")}
 
 
 def sensor_default_status(kind: str):
     """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks) starts only those."""
     from dagster import DefaultSensorStatus
 
-    wanted = os.environ.get("PARTFIN_SENSORS")
-    enabled = kind in SENSOR_KINDS if wanted is None else kind in {w.strip() for w in wanted.split(",")}
-    return DefaultSensorStatus.RUNNING if enabled else DefaultSensorStatus.STOPPED
-
-
-SCHEDULE_KINDS = ("compact", "maintain")
+    return DefaultSensorStatus.RUNNING if _enabled(kind, SENSOR_KINDS, "PARTFIN_SENSORS") else DefaultSensorStatus.STOPPED
 
 
 def schedule_default_status(kind: str):
     """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain; empty: none) starts only those."""
     from dagster import DefaultScheduleStatus
 
-    wanted = os.environ.get("PARTFIN_SCHEDULES")
-    enabled = kind in SCHEDULE_KINDS if wanted is None else kind in {w.strip() for w in wanted.split(",")}
+    enabled = _enabled(kind, SCHEDULE_KINDS, "PARTFIN_SCHEDULES")
     return DefaultScheduleStatus.RUNNING if enabled else DefaultScheduleStatus.STOPPED
 
 
