@@ -195,3 +195,16 @@ def test_rewrites_and_replays_are_not_counted_as_new_records(written):
 
     reports = upsert_reports("orders", [*into, compaction, replay, delete], [], 1, None, 0)
     assert sum(r.stats.records for r in reports) == ingested + 2
+
+
+def test_not_finalized_reason_names_hour_and_watermark():
+    from partfin_assets.core.partitions import not_finalized_reason
+
+    hour = to_us(datetime(2026, 11, 1, 5, tzinfo=UTC))
+    assert not_finalized_reason(hour, hour + US_PER_HOUR, "base.orders") is None
+    reason = not_finalized_reason(hour + 60_000_000, hour - US_PER_HOUR, "base.orders")
+    assert reason == (
+        "hour 2026-11-01T05:00:00Z of base.orders is not finalized: its watermark is 2026-11-01T04:00:00Z "
+        "(needs >= 2026-11-01T06:00:00Z)"
+    )
+    assert "its watermark is not set" in not_finalized_reason(hour, None, "cdc.orders")

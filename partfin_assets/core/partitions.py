@@ -58,6 +58,17 @@ def is_finalized(hour_us: int, watermark_us: int | None) -> bool:
     return watermark_us is not None and floor_hour_us(hour_us) + US_PER_HOUR <= watermark_us
 
 
+def not_finalized_reason(hour_us: int, watermark_us: int | None, identifier: str) -> str | None:
+    """Why hour H of `identifier` may not be used yet, naming the hour and the watermark; None once final."""
+    if is_finalized(hour_us, watermark_us):
+        return None
+    current = iso_z(watermark_us) if watermark_us is not None else "not set"
+    return (
+        f"hour {iso_z(floor_hour_us(hour_us))} of {identifier} is not finalized: its watermark is {current} "
+        f"(needs >= {iso_z(floor_hour_us(hour_us) + US_PER_HOUR)})"
+    )
+
+
 # --------------------------------------------------------------------------- per-hour stats
 
 

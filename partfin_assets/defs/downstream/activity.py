@@ -15,7 +15,7 @@ from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, a
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.partitions import hour_from_key, is_finalized, watermark_of
+from partfin_assets.core.partitions import hour_from_key, is_finalized, not_finalized_reason, watermark_of
 from partfin_assets.core.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
@@ -62,12 +62,12 @@ def build_activity_asset(table: PartfinTable):
         iceberg = catalog.load()
         base = iceberg.load_table(f"base.{name}")  # one metadata version: watermark and rows agree
         watermark = watermark_of(base.properties)
-        if not is_finalized(hour, watermark) and not config.force:
+        refusal = not_finalized_reason(hour, watermark, f"base.{name}")
+        if refusal and not config.force:
             raise NotFinalized(
                 description=(
-                    f"hour {iso_z(hour)} of {name} is not finalized: base.{name} watermark is "
-                    f"{iso_z(watermark) if watermark is not None else 'not set'} (needs >= {iso_z(hour + US_PER_HOUR)}). "
-                    f"To materialize it anyway, set run config ops.{table.activity_key.to_python_identifier()}.config.force: true."
+                    f"{refusal}. To materialize it anyway, set run config "
+                    f"ops.{table.activity_key.to_python_identifier()}.config.force: true."
                 ),
                 allow_retries=False,
             )

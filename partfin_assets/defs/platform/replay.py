@@ -18,9 +18,9 @@ from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, a
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
 from partfin_assets.core.history import summary_of
-from partfin_assets.core.partitions import checkpoint_reports, hour_from_key, is_finalized, watermark_of
+from partfin_assets.core.partitions import checkpoint_reports, hour_from_key, not_finalized_reason, watermark_of
 from partfin_assets.core.replay import ReplayResult, replay_hour_from_source
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z
+from partfin_assets.core.timeutil import iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
@@ -74,12 +74,11 @@ def build_cdc_asset(table: PartfinTable):
         except (NoSuchTableError, NoSuchNamespaceError):
             raise Failure(description=f"cdc.{name} does not exist yet: run sync_{name} first", allow_retries=False)
         watermark = watermark_of(current.properties)
-        if not is_finalized(hour, watermark) and not config.force:
+        refusal = not_finalized_reason(hour, watermark, f"cdc.{name}")
+        if refusal and not config.force:
             raise Failure(
                 description=(
-                    f"hour {iso_z(hour)} of cdc.{name} is not finalized (watermark "
-                    f"{iso_z(watermark) if watermark is not None else 'not set'}, needs >= {iso_z(hour + US_PER_HOUR)}): "
-                    f"the writer may still append records of it. To replay it anyway, set run config "
+                    f"{refusal}: the writer may still append records of it. To replay it anyway, set run config "
                     f"ops.{table.cdc_key.to_python_identifier()}.config.force: true."
                 ),
                 allow_retries=False,
