@@ -48,7 +48,7 @@ def worker(home: str, uri: str | None, index: int, seed: int, jobs: int) -> list
     from partfin_assets.core.privacy import cdc_key_filter, delete_where
     from partfin_assets.core.replay import replay_hour
     from partfin_assets.core.sink import CdcWriter
-    from partfin_assets.core.watermark_processor import current_watermark_us
+    from partfin_assets.core.history import watermark_of
 
     catalog = _catalog(home, uri)
     rng = random.Random(seed)
@@ -87,7 +87,7 @@ def worker(home: str, uri: str | None, index: int, seed: int, jobs: int) -> list
             entry["outcome"] = "committed" if entry["snapshot_id"] is not None else "noop"
         except CommitConflictError as exc:
             entry.update(outcome="conflict", snapshot_id=None, conflicting=exc.conflicting_snapshot_id)
-        entry["watermark_seen"] = current_watermark_us(catalog.load_table("cdc.orders").properties)
+        entry["watermark_seen"] = watermark_of(catalog.load_table("cdc.orders").properties)
         log.append(entry)
     writer.close()
     return log

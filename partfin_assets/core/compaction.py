@@ -26,7 +26,7 @@ from pyiceberg.transforms import HourTransform
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.commit import JobKind
 from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
-from partfin_assets.core.watermark_processor import current_watermark_us
+from partfin_assets.core.history import watermark_of
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def compact(
         files = live_files(table, job.start_snapshot_id, wanted)
         result = CompactionResult(identifier, job.job_id, None)
         if finalized_only:
-            watermark = current_watermark_us(table.properties)
+            watermark = watermark_of(table.properties)
             for partition in list(files):
                 hour = _hour_of_partition(table, partition)
                 if hour is None:

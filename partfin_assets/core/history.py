@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from pyiceberg.table import Table
@@ -31,6 +31,12 @@ def lineage(metadata: TableMetadata) -> Iterator[Snapshot]:
         return
     older = [s for s in metadata.snapshots if s.sequence_number < last.sequence_number]
     yield from sorted(older, key=lambda s: s.sequence_number, reverse=True)
+
+
+def watermark_of(mapping: Mapping[str, str]) -> int | None:
+    """partfin.watermark of a snapshot summary or of table properties (same key), in us."""
+    value = mapping.get(K.WATERMARK)
+    return to_us(parse_iso(value)) if value else None
 
 
 def summary_of(snapshot: Snapshot) -> dict[str, str]:
@@ -103,8 +109,8 @@ def watermark_history(metadata: TableMetadata) -> list[tuple[int, int]]:
     """(snapshot id, watermark in us) of every retained commit that recorded one, oldest first."""
     out = []
     for snapshot in lineage(metadata):
-        value = summary_of(snapshot).get(K.WATERMARK)
-        if value:
-            out.append((snapshot.snapshot_id, to_us(parse_iso(value))))
+        watermark = watermark_of(summary_of(snapshot))
+        if watermark is not None:
+            out.append((snapshot.snapshot_id, watermark))
     out.reverse()
     return out

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from fastdigest import TDigest
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import lineage, summary_of
+from partfin_assets.core.history import lineage, summary_of, watermark_of
 from partfin_assets.core.sink import Accumulator, EventTimeAccumulator
 from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
@@ -342,12 +342,6 @@ class PartitionReport:
         }
         out.update(self.extra)
         return out
-
-
-def watermark_of(mapping: Mapping[str, str]) -> int | None:
-    """partfin.watermark of a snapshot summary or of table properties (same key)."""
-    value = mapping.get(K.WATERMARK)
-    return to_us(parse_iso(value)) if value else None
 
 
 def checkpoint_reports(table: str, summary: Mapping[str, str], snapshot_id: int | None, committed_at_us: int) -> list[PartitionReport]:

@@ -43,9 +43,10 @@ from pyiceberg.table import Table
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.commit import JobKind
 from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
+from partfin_assets.core.history import watermark_of
 from partfin_assets.core.partitions import EVENT_TIME_BY_HOUR, encode_by_hour, hour_stats_of
 from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
-from partfin_assets.core.watermark_processor import current_watermark_us, late_records_total
+from partfin_assets.core.watermark_processor import late_records_total
 from partfin_assets.sources.base import CDC_RECORD_SCHEMA, CdcSource
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def replay_hour(
             old_ids = _identities(old)
             added = new_ids.join(old_ids, on=["key", "source_seq"], how="anti").height
             removed = old_ids.join(new_ids, on=["key", "source_seq"], how="anti").height
-            watermark = current_watermark_us(head.properties)
+            watermark = watermark_of(head.properties)
             late = added if watermark is not None and hour_us < watermark else 0
             facts.update(replaced=old.num_rows, added=added, removed=removed, late=late)
             out = {

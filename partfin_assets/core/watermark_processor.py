@@ -12,9 +12,9 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of
+from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of, watermark_of
 from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, parse_iso, to_us
+from partfin_assets.core.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.core.watermark import WatermarkPolicy, advance
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,6 @@ def log_late_data(alert: LateDataAlert) -> None:
         "late data in %s: %d record(s) below watermark %s in checkpoint %d (snapshot %d): %s",
         alert.table, alert.late_records, alert.watermark, alert.checkpoint_id, alert.snapshot_id, alert.by_hour,
     )
-
-
-def current_watermark_us(properties: dict[str, str]) -> int | None:
-    value = properties.get(K.PROP_WATERMARK)
-    return to_us(parse_iso(value)) if value else None
 
 
 def late_records_by_hour(event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
@@ -75,7 +70,7 @@ class WatermarkProcessor(CommitProcessor):
         event_times: EventTimes = ctx.accumulated[EventTimeAccumulator.name]
         metadata = ctx.table.metadata
         policy = WatermarkPolicy.parse(metadata.properties.get(K.PROP_WATERMARK_POLICY))
-        previous = current_watermark_us(metadata.properties)
+        previous = watermark_of(metadata.properties)
 
         this_commit: list[CommitStats] = []
         if not event_times.stats.is_empty:
