@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.catalog import PartfinConfigError, load_partfin_catalog
 from partfin_assets.core.sink import CdcWriter, CheckpointResult
-from partfin_assets.core.tablespec import PROP_COLUMNS, TableSpec, type_to_text
+from partfin_assets.core.tablespec import PROP_COLUMNS, TableSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,7 +94,7 @@ def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
         return
     table = catalog.load_table(spec.cdc_identifier)
     with table.transaction() as tx:
-        tx.set_properties({PROP_COLUMNS: json.dumps({n: type_to_text(t) for n, t in columns.items()}, separators=(",", ":"))})
+        tx.set_properties({PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[PROP_COLUMNS]})
 
 
 class _Progress:

@@ -87,6 +87,9 @@ def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):
     reasons = rejected.column("reason").to_pylist()
     assert all(reason.startswith(f"line {n}:") for n, reason in zip(range(2, 7), reasons))
     cdc = catalog.load_table("cdc.shop")
+    # the envelope's schema block completed the declaration that named only the key
+    declared = json.loads(cdc.properties["partfin.columns"])
+    assert declared["id"] == "int64" and declared["price"] == "decimal128(10, 2)" and declared["order_date"] == "date32[day]"
     summaries = [s.summary.additional_properties for s in cdc.metadata.snapshots]
     assert sum(int(s.get("partfin.rejected-records", 0)) for s in summaries) == 5
     assert cdc.scan().to_arrow().num_rows == sum(1 for line in good if '"payload":null' not in line)
