@@ -30,6 +30,7 @@ from fastdigest import TDigest
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import lineage, summary_of, watermark_of
 from partfin_assets.core.sink import Accumulator, EventTimeAccumulator
+from partfin_assets.core.stats import digest_of_sorted
 from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
 # Summary entry added by HourlyEventTimeAccumulator (an addition beyond DESIGN §4):
@@ -129,7 +130,7 @@ def hour_stats_of(event_time_us: np.ndarray) -> list[HourStats]:
     for start, end in zip(starts, ends):
         chunk = times[start:end]
         p50, p99 = np.quantile(chunk, [0.5, 0.99], method="inverted_cdf")
-        digest = TDigest.from_values(chunk.astype(np.float64) / US_PER_SECOND, max_centroids=BY_HOUR_CENTROIDS)
+        digest = digest_of_sorted(chunk, BY_HOUR_CENTROIDS)
         centroids = tuple((round(c["m"], 3), float(c["c"])) for c in digest.to_dict()["centroids"])
         out.append(HourStats(int(hours[start]), int(chunk.size), int(chunk[0]), int(chunk[-1]), int(p50), int(p99), 0, centroids))
     return out

@@ -38,12 +38,12 @@ class EventTimeStats:
         """Stats of a whole batch of event times (epoch microseconds): one vectorised pass."""
         if event_time_us.size == 0:
             return cls()
-        seconds = event_time_us.astype(np.float64) / US_PER_SECOND
+        times = np.sort(event_time_us.astype(np.int64, copy=False))
         return cls(
-            count=int(event_time_us.size),
-            min_us=int(event_time_us.min()),
-            max_us=int(event_time_us.max()),
-            digest=TDigest.from_values(seconds, max_centroids=DIGEST_CENTROIDS),
+            count=int(times.size),
+            min_us=int(times[0]),
+            max_us=int(times[-1]),
+            digest=digest_of_sorted(times, DIGEST_CENTROIDS),
         )
 
     @property
@@ -117,6 +117,16 @@ class EventTimeStats:
             max_us=to_us(parse_iso(summary[K.EVENT_TIME_MAX])),
             digest=digest,
         )
+
+
+def digest_of_sorted(sorted_event_time_us: np.ndarray, max_centroids: int) -> TDigest:
+    """t-digest over epoch seconds of an ascending array of event times (epoch microseconds).
+
+    fastdigest reads its input element by element: a memoryview hands it plain floats
+    (3x faster than numpy scalars) and pre-sorted input makes its internal sort nearly free.
+    """
+    seconds = sorted_event_time_us.astype(np.float64) / US_PER_SECOND
+    return TDigest.from_values(memoryview(seconds), max_centroids=max_centroids)
 
 
 def _canonical_order(stats: EventTimeStats) -> tuple:
