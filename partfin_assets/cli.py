@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.catalog import PartfinConfigError, load_partfin_catalog
+from partfin_assets.core.commit import new_transaction
 from partfin_assets.core.sink import CdcWriter, CheckpointResult
 from partfin_assets.core.tablespec import PROP_COLUMNS, TableSpec
 
@@ -93,7 +94,7 @@ def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
     if spec.columns or not columns:
         return
     table = catalog.load_table(spec.cdc_identifier)
-    with table.transaction() as tx:
+    with new_transaction(table) as tx:
         tx.set_properties({PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[PROP_COLUMNS]})
 
 

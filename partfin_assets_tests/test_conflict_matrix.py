@@ -420,3 +420,23 @@ def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
     result = retry_on_conflict(run, max_attempts=3)
     assert len(attempts) == 2 and result.snapshot_id is not None
     assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
+
+
+def test_partfin_transaction_sees_each_staged_change_and_commits_like_pyiceberg(catalog):
+    from partfin_assets.core.commit import new_transaction
+
+    seed(catalog)
+    table = catalog.load_table("cdc.orders")
+    tx = new_transaction(table)
+    before = tx.table_metadata
+    assert tx.table_metadata is before  # derived once while nothing is staged
+    tx.set_properties({"owner": "analytics"})
+    staged = tx.table_metadata
+    assert staged.properties["owner"] == "analytics" and "owner" not in before.properties
+    tx.remove_properties("owner")
+    assert "owner" not in tx.table_metadata.properties
+    tx.set_properties({"owner": "platform"})
+    tx.commit_transaction()
+    reloaded = catalog.load_table("cdc.orders")
+    assert reloaded.properties["owner"] == "platform"
+    assert reloaded.metadata.current_snapshot_id == table.metadata.current_snapshot_id

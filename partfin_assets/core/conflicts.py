@@ -48,7 +48,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import CommitResult, JobKind, commit_with_retry, delete_files
+from partfin_assets.core.commit import CommitResult, JobKind, commit_with_retry, delete_files, new_transaction
 from partfin_assets.core.history import lineage, summary_of
 
 log = logging.getLogger(__name__)
@@ -448,7 +448,7 @@ class Job:
         def build(table: Table, commit_id: str):
             self.check(table)
             extra = summary(table) if callable(summary) else summary
-            tx = table.transaction()
+            tx = new_transaction(table)
             if not stage(table, tx, self.summary(extra)):
                 return None
             return tx

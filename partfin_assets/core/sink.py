@@ -44,6 +44,7 @@ from partfin_assets.core.commit import (
     commit_with_retry,
     delete_files,
     ensure_managed_properties,
+    new_transaction,
     snapshot_summary_with_commit_id,
 )
 from partfin_assets.core.history import last_writer_position, lineage, summary_of
@@ -289,7 +290,7 @@ class CdcWriter:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
             summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary}, commit_id, JobKind.INTO)
-            tx = table.transaction()
+            tx = new_transaction(table)
             with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
                     append.append_data_file(data_file)
@@ -351,7 +352,7 @@ class CdcWriter:
             position = last_writer_position(table.metadata, self.writer_id)
             if position is not None and position.checkpoint_id >= checkpoint_id:
                 return None
-            tx = table.transaction()
+            tx = new_transaction(table)
             tx.append(rows.cast(table.schema().as_arrow()), snapshot_properties=snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
             return tx
 

@@ -80,6 +80,7 @@ from partfin_assets.core.commit import (
     JobKind,
     commit_with_retry,
     delete_files,
+    new_transaction,
     snapshot_summary_with_commit_id,
 )
 from partfin_assets.core.conflicts import find_conflict, partition_path, partition_path_of_values
@@ -671,7 +672,7 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
             table, plan.base_snapshot_id, _target_partitions(plan, merge, data_files), start_spec_id=plan.base.metadata.default_spec_id
         ):
             raise _BaseMoved()
-        tx = table.transaction()
+        tx = new_transaction(table)
         tx.set_properties(properties)
         with tx.update_snapshot(
             snapshot_properties=snapshot_summary_with_commit_id(summary, commit_id, JobKind.UPDATE_DELETE)
