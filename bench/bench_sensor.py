@@ -27,8 +27,7 @@ from pathlib import Path
 
 def build_history(root: Path, hours: int) -> dict:
     from partfin_assets.core.catalog import load_partfin_catalog
-    from partfin_assets.core.partitions import HourlyEventTimeAccumulator
-    from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+    from partfin_assets.core.sink import CdcWriter
     from partfin_assets.core.upsert import ensure_base_table, run_upsert
     from partfin_assets.defs.tables import TABLES
     from partfin_assets.sources.synthetic import SyntheticSource
@@ -41,7 +40,7 @@ def build_history(root: Path, hours: int) -> dict:
     rate = 4 / 3600
     source = SyntheticSource(seed=1, rate=rate, start=start, end=end, idle_every=None, late_fraction=0.0,
                              heartbeat_every=timedelta(hours=max(1, hours // 40)), key_space=10_000_000)
-    writer = CdcWriter(catalog, spec, writer_id="bench", accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator],
+    writer = CdcWriter(catalog, spec, writer_id="bench",
                        heartbeat_interval_s=3600 * max(1, hours // 40))
     checkpoints = sum(1 for _ in writer.run(source, max_records=max(1, hours * 4 // 40)))
     writer.close()

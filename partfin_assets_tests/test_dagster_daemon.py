@@ -16,8 +16,8 @@ import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
 from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.partitions import HourlyEventTimeAccumulator, hour_key, newly_finalized, watermark_of
-from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.partitions import hour_key, newly_finalized, watermark_of
+from partfin_assets.core.sink import CdcWriter
 from partfin_assets.core.timeutil import iso_z, to_us
 from partfin_assets.core.upsert import ensure_base_table, run_upsert
 from partfin_assets.defs import devtools
@@ -38,7 +38,7 @@ def stream_until(home, end: datetime) -> int:
     spec = TABLES[0].spec
     catalog = load_partfin_catalog(home)
     source = SyntheticSource(seed=11, rate=0.3, start=START, end=end, late_fraction=0.002, idle_every=None)
-    writer = CdcWriter(catalog, spec, writer_id="test-stream", accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator])
+    writer = CdcWriter(catalog, spec, writer_id="test-stream")
     try:
         for _ in writer.run(source, max_records=500):
             pass

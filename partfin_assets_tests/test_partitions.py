@@ -15,15 +15,11 @@ from partfin_assets.core import summary_keys as K
 from partfin_assets.core.catalog import load_partfin_catalog
 from partfin_assets.core.history import lineage, summary_of, watermark_history
 from partfin_assets.core.partitions import (
-    EVENT_TIME_BY_HOUR,
     FinalizationCursor,
-    HourlyEventTimeAccumulator,
     checkpoint_hours,
     checkpoint_reports,
-    decode_by_hour,
     hour_from_key,
     hour_key,
-    hour_stats_of,
     is_finalized,
     late_after_run,
     late_data,
@@ -33,8 +29,10 @@ from partfin_assets.core.partitions import (
     watermark_regressions,
 )
 from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
+from partfin_assets.core.stats import EventTimeProfile, decode_by_hour
 from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, to_us
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
+from partfin_assets_tests.conftest import change_batch
 
 H0 = to_us(datetime(2026, 1, 1, 10, tzinfo=UTC))
 MIN = 60_000_000
@@ -62,19 +60,22 @@ def test_newly_finalized_in_order_and_bounded():
 
 
 def test_hour_stats_are_exact_per_hour():
-    times = np.array([H0 + 10 * MIN, H0 + 20 * MIN, H0 + 30 * MIN, H0 + US_PER_HOUR + MIN])
-    stats = hour_stats_of(times)
+    times = np.array([H0 + 20 * MIN, H0 + US_PER_HOUR + MIN, H0 + 30 * MIN, H0 + 10 * MIN])
+    stats = EventTimeProfile.of(times).by_hour
     assert [s.hour_us for s in stats] == [H0, H0 + US_PER_HOUR]
     first = stats[0]
     assert (first.records, first.min_us, first.max_us, first.p50_us) == (3, H0 + 10 * MIN, H0 + 30 * MIN, H0 + 20 * MIN)
-    summary = HourlyEventTimeAccumulator.summary(times)
-    decoded = decode_by_hour(summary[EVENT_TIME_BY_HOUR])
+    accumulator = EventTimeAccumulator()
+    accumulator.add(change_batch(times, offset="1").records)
+    summary = EventTimeAccumulator.summary(EventTimeAccumulator.merge([accumulator.partial()]))
+    decoded = decode_by_hour(summary[K.EVENT_TIME_BY_HOUR])
     assert decoded[H0].records == 3 and decoded[H0].p99_us == H0 + 30 * MIN
+    assert decoded[H0 + US_PER_HOUR].records == 1 and summary[K.EVENT_TIME_COUNT] == "4"
 
 
 def test_merge_hours_sums_records_and_keeps_extremes():
-    a = hour_stats_of(np.array([H0 + MIN * i for i in range(10)]))
-    b = hour_stats_of(np.array([H0 + MIN * i for i in range(30, 50)]))
+    a = EventTimeProfile.of(np.array([H0 + MIN * i for i in range(10)])).by_hour
+    b = EventTimeProfile.of(np.array([H0 + MIN * i for i in range(30, 50)])).by_hour
     merged = merge_hours([a, b])[H0]
     assert merged.records == 30
     assert merged.min_us == H0 and merged.max_us == H0 + 49 * MIN
@@ -99,7 +100,7 @@ def written(tmp_path):
     start = datetime(2026, 1, 1, tzinfo=UTC)
     source = SyntheticSource(seed=3, rate=0.5, start=start, end=start + timedelta(hours=6), late_fraction=0.05, idle_every=None)
     spec = dataclasses.replace(ORDERS_SPEC, watermark_policy="percentile:0.05:last:2")
-    writer = CdcWriter(catalog, spec, accumulators=[EventTimeAccumulator, HourlyEventTimeAccumulator])
+    writer = CdcWriter(catalog, spec)
     results = list(writer.run(source, max_records=400))
     return catalog, results
 

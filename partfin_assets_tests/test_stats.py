@@ -11,8 +11,8 @@ import tdigest
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
-from partfin_assets.core.stats import EventTimeStats
-from partfin_assets.core.timeutil import iso_z
+from partfin_assets.core.stats import EventTimeProfile, EventTimeStats
+from partfin_assets.core.timeutil import floor_hour_us, iso_z
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 
@@ -40,7 +40,7 @@ def test_merge_is_identical_for_every_subtask_order():
 
 def test_empty_parts_do_not_change_the_merge():
     rng = np.random.default_rng(1)
-    stats = EventTimeStats.of(heavy_tailed_times(rng, 1000))
+    stats = EventTimeProfile.of(heavy_tailed_times(rng, 1000)).stats
     assert EventTimeStats.merge_all([EventTimeStats(), stats, EventTimeStats()]).to_summary() == stats.to_summary()
     assert EventTimeStats.merge_all([]).to_summary() == {K.EVENT_TIME_COUNT: "0"}
 
@@ -71,8 +71,28 @@ def test_committed_summary_matches_the_data_written(catalog):
 
 def test_summary_round_trip():
     rng = np.random.default_rng(3)
-    stats = EventTimeStats.of(heavy_tailed_times(rng, 5000))
+    stats = EventTimeProfile.of(heavy_tailed_times(rng, 5000)).stats
     back = EventTimeStats.from_summary(stats.to_summary())
     assert (back.count, back.min_us, back.max_us) == (stats.count, stats.min_us, stats.max_us)
     assert back.to_summary() == stats.to_summary()
     assert EventTimeStats.from_summary({}) is None
+
+
+def test_large_batches_digest_within_a_few_input_runs_of_fastdigest_fed_every_value():
+    """Past DIGEST_INPUT_POINTS values the digest is fed runs of values as weighted means."""
+    from fastdigest import TDigest
+
+    from partfin_assets.core.stats import DIGEST_CENTROIDS, DIGEST_INPUT_POINTS
+
+    rng = np.random.default_rng(11)
+    for n in (DIGEST_INPUT_POINTS + 1, 20_000, 250_000):
+        lateness = (rng.pareto(1.5, n) * 5_000_000).astype(np.int64).clip(0, 60_000_000)
+        times = floor_hour_us(T0_US) + 60_000_000 + rng.integers(0, HOUR_US - 120_000_000, n) - lateness
+        profile = EventTimeProfile.of(times)
+        assert len(profile.by_hour) == 1  # one hour: the batch digest is that hour's, no merge involved
+        ordered = np.sort(times) / 1e6
+        every_value = TDigest.from_values(ordered.tolist(), max_centroids=DIGEST_CENTROIDS)
+        quantiles = np.linspace(0.001, 0.999, 500)
+        ours = np.searchsorted(ordered, [profile.stats.digest.quantile(q) for q in quantiles]) / n
+        reference = np.searchsorted(ordered, [every_value.quantile(q) for q in quantiles]) / n
+        assert np.max(np.abs(ours - reference)) <= 4 / DIGEST_INPUT_POINTS, n

@@ -83,6 +83,7 @@ class PartfinTransaction(Transaction):
     entries in every retained snapshot summary that was a fifth of each commit's time.
     The result depends only on the base metadata and the staged updates, so it is kept
     until either changes (both are replaced, never mutated, when something is staged).
+    With nothing staged it is the base metadata itself, as `Table.metadata` hands it out.
     """
 
     _cached: tuple[TableMetadata, tuple[TableUpdate, ...], TableMetadata] | None = None
@@ -90,6 +91,8 @@ class PartfinTransaction(Transaction):
     @property
     def table_metadata(self) -> TableMetadata:
         base, updates = self._table.metadata, self._updates
+        if not updates:
+            return base
         if self._cached is None or self._cached[0] is not base or self._cached[1] is not updates:
             self._cached = (base, updates, super().table_metadata)
         return self._cached[2]

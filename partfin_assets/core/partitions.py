@@ -3,7 +3,7 @@
 Everything here reads snapshot summaries and table properties, never data files:
 
 - which hour partitions a checkpoint touched, with per-hour records and event-time
-  min/max/p50/p99 (`partfin.event-time.by-hour`, written by HourlyEventTimeAccumulator);
+  min/max/p50/p99 (`partfin.event-time.by-hour`, written by the writer's EventTimeAccumulator);
 - the same for the base table, merged over the CDC snapshots one upsert read;
 - which hours are finalized (`hour + 1h <= watermark`) and which are newly so;
 - late data per hour, with the commits that brought it;
@@ -22,24 +22,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from fastdigest import TDigest
 
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import lineage, summary_of, watermark_of
-from partfin_assets.core.sink import Accumulator, EventTimeAccumulator
-from partfin_assets.core.stats import digest_of_sorted
+from partfin_assets.core.stats import BY_HOUR_CENTROIDS, HourStats, decode_by_hour
 from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
-# Summary entry added by HourlyEventTimeAccumulator (an addition beyond DESIGN §4):
-# JSON {"<hour ISO Z>": {"n", "min", "max", "p50", "p99" (ISO Z), "c": [[mean_s, count], ...]}}
-EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
 # PyIceberg's per-partition summary entries of cdc.<table> (hidden partition `event_time_hour`)
 PARTITION_SUMMARY_PREFIX = "partitions.event_time_hour="
-BY_HOUR_LIMIT = 200  # like write.summary.partition-limit: a commit touching more hours omits the entry
-BY_HOUR_CENTROIDS = 12  # small digest per hour so that several commits merge into p50/p99 for base
 HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's HourlyPartitionsDefinition key format
 
 
@@ -73,105 +64,6 @@ def not_finalized_reason(hour_us: int, watermark_us: int | None, identifier: str
 # --------------------------------------------------------------------------- per-hour stats
 
 
-@dataclass(frozen=True)
-class HourStats:
-    """Records and event-time stats of one hour, as one commit (or several merged) wrote them."""
-
-    hour_us: int
-    records: int
-    min_us: int | None = None
-    max_us: int | None = None
-    p50_us: int | None = None
-    p99_us: int | None = None
-    late_records: int = 0
-    centroids: tuple[tuple[float, float], ...] = ()  # (mean epoch s, weight)
-
-
-class HourlyEventTimeAccumulator(Accumulator):
-    """Exact per-hour count/min/max/p50/p99 of a checkpoint's event times, plus a small digest per hour."""
-
-    name = "event-time-by-hour"
-
-    def __init__(self) -> None:
-        self._chunks: list[np.ndarray] = []
-
-    def add(self, records: pa.Table) -> None:
-        self._chunks.append(pc.cast(records.column("event_time"), pa.int64()).to_numpy())
-
-    def partial(self) -> np.ndarray:
-        return np.concatenate(self._chunks) if self._chunks else np.empty(0, dtype=np.int64)
-
-    @classmethod
-    def merge(cls, partials: Sequence[np.ndarray]) -> np.ndarray:
-        return np.concatenate(list(partials)) if partials else np.empty(0, dtype=np.int64)
-
-    @classmethod
-    def summary(cls, merged: np.ndarray) -> dict[str, str]:
-        by_hour = hour_stats_of(merged)
-        if not by_hour or len(by_hour) > BY_HOUR_LIMIT:
-            return {}
-        return {EVENT_TIME_BY_HOUR: encode_by_hour(by_hour)}
-
-
-# CdcWriter's default accumulators, so every partfin writer (CLI and Dagster alike) records the
-# DESIGN §4 event-time stats plus the per-hour entry the partition metadata reads.
-PARTFIN_ACCUMULATORS = (EventTimeAccumulator, HourlyEventTimeAccumulator)
-
-
-def hour_stats_of(event_time_us: np.ndarray) -> list[HourStats]:
-    """Exact stats per hour of an array of event times (epoch us), hours ascending."""
-    if event_time_us.size == 0:
-        return []
-    times = np.sort(event_time_us.astype(np.int64))
-    hours = times // US_PER_HOUR * US_PER_HOUR
-    starts = np.flatnonzero(np.r_[True, hours[1:] != hours[:-1]])
-    ends = np.r_[starts[1:], times.size]
-    out = []
-    for start, end in zip(starts, ends):
-        chunk = times[start:end]
-        p50, p99 = np.quantile(chunk, [0.5, 0.99], method="inverted_cdf")
-        digest = digest_of_sorted(chunk, BY_HOUR_CENTROIDS)
-        centroids = tuple((round(c["m"], 3), float(c["c"])) for c in digest.to_dict()["centroids"])
-        out.append(HourStats(int(hours[start]), int(chunk.size), int(chunk[0]), int(chunk[-1]), int(p50), int(p99), 0, centroids))
-    return out
-
-
-def encode_by_hour(stats: Iterable[HourStats]) -> str:
-    return json.dumps(
-        {
-            iso_z(s.hour_us): {
-                "n": s.records,
-                "min": iso_z(s.min_us),
-                "max": iso_z(s.max_us),
-                "p50": iso_z(s.p50_us),
-                "p99": iso_z(s.p99_us),
-                "c": [list(c) for c in s.centroids],
-            }
-            for s in stats
-        },
-        separators=(",", ":"),
-    )
-
-
-def decode_by_hour(text: str | None) -> dict[int, HourStats]:
-    if not text:
-        return {}
-    out = {}
-    for hour, entry in json.loads(text).items():
-        hour_us = to_us(parse_iso(hour))
-        out[hour_us] = HourStats(
-            hour_us,
-            int(entry["n"]),
-            to_us(parse_iso(entry["min"])),
-            to_us(parse_iso(entry["max"])),
-            to_us(parse_iso(entry["p50"])),
-            to_us(parse_iso(entry["p99"])),
-            0,
-            tuple((float(m), float(c)) for m, c in entry.get("c", [])),
-        )
-    return out
-
-
 def partition_counts(summary: Mapping[str, str]) -> dict[int, int]:
     """Records added per hour partition, from PyIceberg's `partitions.event_time_hour=...` entries."""
     out: dict[int, int] = {}
@@ -201,7 +93,7 @@ def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
     the by-hour entry when present, else the commit-wide min/max clamped to the hour.
     """
     counts = partition_counts(summary)
-    by_hour = decode_by_hour(summary.get(EVENT_TIME_BY_HOUR))
+    by_hour = decode_by_hour(summary.get(K.EVENT_TIME_BY_HOUR))
     late = late_by_hour(summary)
     hours = sorted(set(counts) | set(by_hour))
     if not hours and summary.get(K.EVENT_TIME_COUNT, "0") != "0" and K.EVENT_TIME_MIN in summary:

@@ -44,7 +44,7 @@ from partfin_assets.core import summary_keys as K
 from partfin_assets.core.commit import JobKind
 from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
 from partfin_assets.core.history import watermark_of
-from partfin_assets.core.partitions import EVENT_TIME_BY_HOUR, encode_by_hour, hour_stats_of
+from partfin_assets.core.stats import EventTimeProfile, encode_by_hour
 from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.core.watermark_processor import late_records_total
 from partfin_assets.sources.base import CDC_RECORD_SCHEMA, CdcSource
@@ -159,7 +159,7 @@ def replay_hour(
             if times.size:
                 out[K.REPLAY_EVENT_TIME_MIN] = iso_z(int(times.min()))
                 out[K.REPLAY_EVENT_TIME_MAX] = iso_z(int(times.max()))
-                out[EVENT_TIME_BY_HOUR] = encode_by_hour(hour_stats_of(np.asarray(times)))
+                out[K.EVENT_TIME_BY_HOUR] = encode_by_hour(EventTimeProfile.of(np.asarray(times)).by_hour)
             return out
 
         committed = job.commit_overwrite(new_files, summary=summary_at)

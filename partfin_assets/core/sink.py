@@ -49,7 +49,7 @@ from partfin_assets.core.commit import (
 )
 from partfin_assets.core.history import last_writer_position, lineage, summary_of
 from partfin_assets.core.maintenance import Retention, expire_snapshots
-from partfin_assets.core.stats import EventTimeStats
+from partfin_assets.core.stats import EventTimeProfile, EventTimeStats
 from partfin_assets.core.tablespec import TableSpec
 from partfin_assets.core.timeutil import iso_z, parse_iso, to_us
 from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch, CdcSource
@@ -103,11 +103,17 @@ class Accumulator(ABC):
 
 @dataclass(frozen=True)
 class EventTimes:
-    stats: EventTimeStats
-    event_time_us: np.ndarray  # kept for exact late-record counts against the watermark at commit time
+    profile: EventTimeProfile
+    event_time_us: np.ndarray  # ascending; kept for exact late-record counts against the watermark at commit time
+
+    @property
+    def stats(self) -> EventTimeStats:
+        return self.profile.stats
 
 
 class EventTimeAccumulator(Accumulator):
+    """The DESIGN §4 event-time stats of a checkpoint, and the same per hour (partfin.event-time.by-hour)."""
+
     name = "event-time"
 
     def __init__(self) -> None:
@@ -118,20 +124,24 @@ class EventTimeAccumulator(Accumulator):
         self._chunks.append(column.to_numpy())
 
     def partial(self) -> EventTimes:
-        times = np.concatenate(self._chunks) if self._chunks else np.empty(0, dtype=np.int64)
-        return EventTimes(EventTimeStats.of(times), times)
+        return _event_times(self._chunks)
 
     @classmethod
     def merge(cls, partials: Sequence[EventTimes]) -> EventTimes:
-        times = [p.event_time_us for p in partials]
-        return EventTimes(
-            EventTimeStats.merge_all(p.stats for p in partials),
-            np.concatenate(times) if times else np.empty(0, dtype=np.int64),
-        )
+        if len(partials) == 1:
+            return partials[0]
+        # rebuilt from all values: exact per-hour figures, and one result however the keys were split
+        return _event_times([p.event_time_us for p in partials])
 
     @classmethod
     def summary(cls, merged: EventTimes) -> dict[str, str]:
-        return merged.stats.to_summary()
+        return merged.profile.to_summary()
+
+
+def _event_times(chunks: Sequence[np.ndarray]) -> EventTimes:
+    times = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)  # a copy of its own
+    times.sort()
+    return EventTimes(EventTimeProfile.of_sorted(times), times)
 
 
 @dataclass
@@ -218,9 +228,7 @@ class CdcWriter:
         retention: Retention | None = None,
         heartbeat_interval_s: float = 60.0,
     ) -> None:
-        # deferred: both modules build on this one
-        from partfin_assets.core.partitions import PARTFIN_ACCUMULATORS
-        from partfin_assets.core.watermark_processor import WatermarkProcessor
+        from partfin_assets.core.watermark_processor import WatermarkProcessor  # deferred: it builds on this module
 
         if subtasks < 1:
             raise ValueError(f"subtasks must be at least 1, got {subtasks}")
@@ -228,7 +236,7 @@ class CdcWriter:
         self.spec = spec
         self.writer_id = writer_id or f"{spec.name}-writer"
         self.subtasks = subtasks
-        self.accumulators = list(accumulators) if accumulators is not None else list(PARTFIN_ACCUMULATORS)
+        self.accumulators = list(accumulators) if accumulators is not None else [EventTimeAccumulator]
         self.processors = list(processors) if processors is not None else [WatermarkProcessor()]
         self.retention = retention if retention is not None else Retention()
         registered = {acc.name for acc in self.accumulators}
@@ -330,12 +338,13 @@ class CdcWriter:
         accumulators = [acc() for acc in self.accumulators]
         for accumulator in accumulators:
             accumulator.add(part)
+        partials = {a.name: a.partial() for a in accumulators}
         files: list[DataFile] = []
         if part.num_rows:
             files = list(
                 _dataframe_to_data_files(self.table.metadata, part, self.table.io, write_uuid=uuid.uuid4(), counter=itertools.count())
             )
-        return files, {a.name: a.partial() for a in accumulators}
+        return files, partials
 
     def _commit_rejected(self, batch: ChangeBatch, checkpoint_id: int) -> int:
         """Rejected records land in cdc.<table>__rejected, once per checkpoint even across restarts."""

@@ -14,6 +14,8 @@ WATERMARK = "partfin.watermark"
 # additions beyond DESIGN §4 (documented in the README)
 LATE_RECORDS_TOTAL = "partfin.late-records.total"  # running total over the table's history
 LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": count}
+# JSON {"<hour iso Z>": {"n", "min", "max", "p50", "p99" (iso Z), "c": [[mean_s, count], ...]}}
+EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
 REJECTED_RECORDS = "partfin.rejected-records"
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"

@@ -37,8 +37,8 @@ def log_late_data(alert: LateDataAlert) -> None:
     )
 
 
-def late_records_by_hour(event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
-    late = event_time_us[event_time_us < watermark_us]
+def late_records_by_hour(sorted_event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
+    late = sorted_event_time_us[: np.searchsorted(sorted_event_time_us, watermark_us)]
     if late.size == 0:
         return {}
     hours, counts = np.unique(late // US_PER_HOUR * US_PER_HOUR, return_counts=True)
