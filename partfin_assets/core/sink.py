@@ -120,8 +120,7 @@ class EventTimeAccumulator(Accumulator):
         self._chunks: list[np.ndarray] = []
 
     def add(self, records: pa.Table) -> None:
-        column = pc.cast(records.column("event_time"), pa.int64())
-        self._chunks.append(column.to_numpy())
+        self._chunks.append(records.column("event_time").to_numpy().view(np.int64))  # no copy for one chunk
 
     def partial(self) -> EventTimes:
         return _event_times(self._chunks)
@@ -322,7 +321,7 @@ class CdcWriter:
         snapshot = result.snapshot
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
-        self._note_progress(records, heartbeat_us)
+        self._note_progress(records, heartbeat_us, accumulated)
         expire_snapshots(result.table, self.retention, self._policy_lookback())
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, summary_of(snapshot))
 
@@ -375,10 +374,12 @@ class CdcWriter:
             return False
         return self._last_progress_us is None or heartbeat_us - self._last_progress_us >= self.heartbeat_interval_us
 
-    def _note_progress(self, records: pa.Table, heartbeat_us: int | None) -> None:
+    def _note_progress(self, records: pa.Table, heartbeat_us: int | None, accumulated: dict[str, Any]) -> None:
         candidates = [t for t in (self._last_progress_us, heartbeat_us) if t is not None]
         if records.num_rows:
-            candidates.append(pc.max(pc.cast(records.column("event_time"), pa.int64())).as_py())
+            event_times = accumulated.get(EventTimeAccumulator.name)  # its stats hold the max already
+            latest = event_times.stats.max_us if event_times is not None else pc.max(pc.cast(records.column("event_time"), pa.int64())).as_py()
+            candidates.append(latest)
         self._last_progress_us = max(candidates) if candidates else None
 
     def _last_committed_event_time_us(self) -> int | None:

@@ -20,7 +20,7 @@ from fastdigest import TDigest
 from pydantic_core import to_json
 
 from partfin_assets.core import summary_keys as K
-from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, iso_z, parse_iso, to_us
+from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_iso, to_us
 
 # 50 centroids keep the summary entry near 1.6 KB and the rank error far below 0.5%
 # at p1/p50/p99 (the accuracy test measures it on the data actually written).
@@ -151,7 +151,7 @@ class EventTimeProfile:
         """
         if times.size == 0:
             return cls(EventTimeStats(), ())
-        bounds = _hour_bounds(times, BY_HOUR_LIMIT)
+        bounds = hour_bounds(times, BY_HOUR_LIMIT)
         if bounds is None:
             return cls(EventTimeStats(int(times.size), int(times[0]), int(times[-1]), _digest(times, DIGEST_CENTROIDS)), ())
         digest = None
@@ -160,12 +160,14 @@ class EventTimeProfile:
             hour = times[start:end]
             hour_digest = _digest(hour, DIGEST_CENTROIDS)
             digest = hour_digest if digest is None else digest.merge(hour_digest)
-            small = TDigest(max_centroids=BY_HOUR_CENTROIDS)
-            small.merge_inplace(hour_digest)
+            small = hour_digest  # a handful of late records: every value is its own centroid already
+            if end - start > BY_HOUR_CENTROIDS:
+                small = TDigest(max_centroids=BY_HOUR_CENTROIDS)
+                small.merge_inplace(hour_digest)
             first, last = int(hour[0]), int(hour[-1])
             by_hour.append(
                 HourStats(
-                    first // US_PER_HOUR * US_PER_HOUR,
+                    floor_hour_us(first),
                     end - start,
                     first,
                     last,
@@ -184,13 +186,13 @@ class EventTimeProfile:
         return out
 
 
-def _hour_bounds(sorted_us: np.ndarray, limit: int) -> list[int] | None:
+def hour_bounds(sorted_us: np.ndarray, limit: int | None = None) -> list[int] | None:
     """Where each hour's run starts in an ascending array, then its end; None past `limit` hours."""
     bounds = [0]
     while bounds[-1] < sorted_us.size:
-        if len(bounds) > limit:
+        if limit is not None and len(bounds) > limit:
             return None
-        next_hour = int(sorted_us[bounds[-1]]) // US_PER_HOUR * US_PER_HOUR + US_PER_HOUR
+        next_hour = floor_hour_us(sorted_us[bounds[-1]]) + US_PER_HOUR
         bounds.append(int(np.searchsorted(sorted_us, next_hour)))
     return bounds
 
@@ -207,12 +209,15 @@ def _digest(sorted_us: np.ndarray, max_centroids: int) -> TDigest:
     run = -(-sorted_us.size // DIGEST_INPUT_POINTS)
     if run == 1:
         return TDigest.from_values(memoryview(sorted_us / US_PER_SECOND), max_centroids=max_centroids)
-    starts = np.arange(0, sorted_us.size, run)
-    weights = np.diff(np.append(starts, sorted_us.size))
+    whole = sorted_us.size // run * run
     first = int(sorted_us[0])
-    sums = np.add.reduceat(sorted_us - first, starts)  # offsets from the first value: exact in int64
-    means = (first + sums / weights) / US_PER_SECOND
-    return TDigest.from_values(memoryview(means), memoryview(weights.astype(np.float64)), max_centroids=max_centroids)
+    # offsets from the first value keep the sums exact in int64
+    sums = np.add.reduceat(sorted_us[:whole] - first, np.arange(0, whole, run))
+    means = (first + sums / run) / US_PER_SECOND
+    digest = TDigest.from_values(memoryview(means), float(run), max_centroids=max_centroids)
+    if whole < sorted_us.size:  # the values after the last whole run go in one by one
+        digest.batch_update(memoryview(sorted_us[whole:] / US_PER_SECOND))
+    return digest
 
 
 def _sorted_quantile(sorted_values: np.ndarray, q: float) -> int:

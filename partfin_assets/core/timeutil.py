@@ -28,11 +28,16 @@ def floor_hour(dt: datetime) -> datetime:
     return from_us(floor_hour_us(to_us(dt)))
 
 
+_EPOCH_WALL_CLOCK = datetime(1970, 1, 1)  # naive: formatting UTC wall-clock time needs no zone arithmetic
+
+
 def iso_z(dt_or_us: datetime | int) -> str:
     """ISO-8601 UTC with a trailing Z, the format of every time stored in snapshot summaries."""
-    dt = from_us(dt_or_us) if isinstance(dt_or_us, int) else dt_or_us.astimezone(UTC)
-    text = dt.isoformat(timespec="microseconds" if dt.microsecond else "seconds")
-    return text.replace("+00:00", "Z")
+    if isinstance(dt_or_us, datetime):
+        dt = dt_or_us.astimezone(UTC).replace(tzinfo=None)
+    else:
+        dt = _EPOCH_WALL_CLOCK + timedelta(microseconds=int(dt_or_us))
+    return dt.isoformat(timespec="microseconds" if dt.microsecond else "seconds") + "Z"
 
 
 def parse_iso(text: str) -> datetime:

@@ -14,7 +14,8 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of, watermark_of
 from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z
+from partfin_assets.core.stats import hour_bounds
+from partfin_assets.core.timeutil import floor_hour_us, iso_z
 from partfin_assets.core.watermark import WatermarkPolicy, advance
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,8 @@ def log_late_data(alert: LateDataAlert) -> None:
 
 def late_records_by_hour(sorted_event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
     late = sorted_event_time_us[: np.searchsorted(sorted_event_time_us, watermark_us)]
-    if late.size == 0:
-        return {}
-    hours, counts = np.unique(late // US_PER_HOUR * US_PER_HOUR, return_counts=True)
-    return {iso_z(int(h)): int(c) for h, c in zip(hours, counts)}
+    bounds = hour_bounds(late)
+    return {iso_z(floor_hour_us(late[start])): end - start for start, end in zip(bounds, bounds[1:])}
 
 
 def late_records_total(metadata: TableMetadata) -> int:
