@@ -1,6 +1,6 @@
 """Ingest benchmarks; every figure is a ratio against a baseline measured in the same run.
 
-    .venv/bin/python bench/bench_ingest.py [--records 400000] [--checkpoints 20] [--repeats 8] [--commits 1000]
+    .venv/bin/python bench/bench_ingest.py [--records 400000] [--checkpoints 20] [--repeats 16] [--commits 1000]
 
 1. writer with its default accumulator (event-time stats overall and per hour) and the watermark
    processor vs the same writer with none (goal >= 0.95): 20,000-record checkpoints, the Dagster
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=400_000)
     parser.add_argument("--checkpoints", type=int, default=20)
     parser.add_argument("--commits", type=int, default=1000, help="checkpoints for the latency test")
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=16)
     args = parser.parse_args()
     batches = make_batches(args.records, args.checkpoints)
     results: dict[str, float] = {}

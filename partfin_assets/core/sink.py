@@ -105,6 +105,7 @@ class Accumulator(ABC):
 class EventTimes:
     profile: EventTimeProfile
     event_time_us: np.ndarray  # ascending; kept for exact late-record counts against the watermark at commit time
+    summary: dict[str, str]  # encoded with the rest, while the subtask's files are written
 
     @property
     def stats(self) -> EventTimeStats:
@@ -134,13 +135,14 @@ class EventTimeAccumulator(Accumulator):
 
     @classmethod
     def summary(cls, merged: EventTimes) -> dict[str, str]:
-        return merged.profile.to_summary()
+        return merged.summary
 
 
 def _event_times(chunks: Sequence[np.ndarray]) -> EventTimes:
     times = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)  # a copy of its own
     times.sort()
-    return EventTimes(EventTimeProfile.of_sorted(times), times)
+    profile = EventTimeProfile.of_sorted(times)
+    return EventTimes(profile, times, profile.to_summary())
 
 
 @dataclass
