@@ -123,15 +123,35 @@ class Explodes(CommitProcessor):
         raise RuntimeError("processor failed")
 
 
-def test_a_failed_checkpoint_leaves_no_data_and_no_files(catalog, tmp_path):
+class ExplodingAccumulator(Accumulator):
+    name = "explodes"
+
+    def add(self, records: pa.Table) -> None:
+        raise ValueError("accumulator failed")
+
+    def partial(self):
+        return None
+
+    @classmethod
+    def merge(cls, partials):
+        return None
+
+
+@pytest.mark.parametrize("subtasks", [1, 3])
+def test_a_failed_checkpoint_leaves_no_data_and_no_files(catalog, tmp_path, subtasks):
     writer = CdcWriter(catalog, ORDERS)
     writer.write_checkpoint(change_batch(minutes(0, 50), offset="o1"))
     files_before = data_files_on_disk(tmp_path / "home")
-    failing = CdcWriter(catalog, ORDERS, writer_id="other", processors=[Explodes()])
+    failing = CdcWriter(catalog, ORDERS, writer_id="other", processors=[Explodes()], subtasks=subtasks)
     with pytest.raises(RuntimeError, match="processor failed"):
         failing.write_checkpoint(change_batch(minutes(60, 50), offset="o2"))
+    # an accumulator fails while the subtask's files are being written beside it
+    broken = CdcWriter(catalog, ORDERS, writer_id="third", accumulators=[ExplodingAccumulator], processors=[], subtasks=subtasks)
+    with pytest.raises(ValueError, match="accumulator failed"):
+        broken.write_checkpoint(change_batch(minutes(120, 50), offset="o3"))
     assert data_files_on_disk(tmp_path / "home") == files_before
-    assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == 50
+    table = catalog.load_table("cdc.orders")
+    assert table.scan().to_arrow().num_rows == 50 and len(table.metadata.snapshots) == 1
 
 
 def test_retention_bounds_history_but_keeps_policy_window_and_resume_position(catalog, tmp_path):

@@ -17,7 +17,7 @@ import signal
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -332,8 +332,16 @@ class CdcWriter:
 
     def _write_subtasks(self, records: pa.Table) -> tuple[list[DataFile], dict[str, list[Any]]]:
         parts = route_by_key(records, self.subtasks)
-        run = self._pool.map if self._pool is not None else map
-        results = list(run(self._run_subtask, parts))
+        if self._pool is None:
+            results = [self._run_subtask(part) for part in parts]
+        else:
+            futures = [self._pool.submit(self._run_subtask, part) for part in parts]
+            wait(futures)  # every subtask settles before a failure propagates, so none writes after the cleanup
+            failures = [f.exception() for f in futures if f.exception() is not None]
+            if failures:
+                delete_files(self.table.io, [d.file_path for f in futures if f.exception() is None for d in f.result()[0]])
+                raise failures[0]
+            results = [f.result() for f in futures]
         data_files = [f for files, _ in results for f in files]
         partials = {acc.name: [p[acc.name] for _, p in results] for acc in self.accumulators}
         return data_files, partials
@@ -348,7 +356,8 @@ class CdcWriter:
         try:
             partials = self._accumulate(part)
         except BaseException:
-            delete_files(self.table.io, [f.file_path for f in written.result()])  # this checkpoint will not commit
+            if written.exception() is None:  # this checkpoint will not commit: remove what was written beside
+                delete_files(self.table.io, [f.file_path for f in written.result()])
             raise
         return written.result(), partials
 
@@ -394,8 +403,10 @@ class CdcWriter:
         candidates = [t for t in (self._last_progress_us, heartbeat_us) if t is not None]
         if records.num_rows:
             event_times = accumulated.get(EventTimeAccumulator.name)  # its stats hold the max already
-            latest = event_times.stats.max_us if event_times is not None else pc.max(pc.cast(records.column("event_time"), pa.int64())).as_py()
-            candidates.append(latest)
+            if event_times is not None:
+                candidates.append(event_times.stats.max_us)
+            else:
+                candidates.append(pc.max(pc.cast(records.column("event_time"), pa.int64())).as_py())
         self._last_progress_us = max(candidates) if candidates else None
 
     def _last_committed_event_time_us(self) -> int | None:
