@@ -54,10 +54,10 @@ Heartbeats
 When the source is caught up it yields an empty batch whose heartbeat is the database
 clock T, at most every `heartbeat_interval` seconds (and once at the end of a non-follow
 run). T means: every transaction that committed before T has been delivered. That holds
-because the source (1) reads T = clock_timestamp() and the set of in-progress
-transaction ids in one statement; (2) waits until none of those is in progress (a
-transaction whose commit timestamp is < T had taken it before T, so it had either
-finished -- its commit record is already in the WAL -- or was still in progress at T);
+because the source (1) reads T = clock_timestamp(), then takes a transaction id X of
+its own (a transaction whose commit timestamp is < T had its id before T, so its id is
+below X); (2) waits until no transaction with an id below X is in progress (the oldest
+running id of a fresh snapshot is >= X), so each of those has its commit record in the WAL;
 (3) then reads the WAL insert position L, waits until L is flushed, and (4) decodes
 everything up to L. Commit records of all transactions with commit time < T lie before
 L, so they have been delivered (or were covered by the committed offset). If the
@@ -577,21 +577,17 @@ class PostgresSource:
 
     def _fence(self, conn) -> tuple[datetime, int] | None:
         """(T, L): every transaction committed before T has its commit record before L (see module doc)."""
-        clock, snapshot = conn.execute("SELECT clock_timestamp(), pg_current_snapshot()::text").fetchone()
-        running = [int(x) for x in snapshot.split(":")[2].split(",") if x]
+        (clock,) = conn.execute("SELECT clock_timestamp()").fetchone()
+        # An id of our own, taken after T: every transaction that committed before T has a smaller one.
+        # (pg_current_snapshot() cannot list them: it leaves out running ids at or past its xmax.)
+        (ours,) = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
         deadline = self._monotonic() + self.heartbeat_settle
-        while running:
-            running = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT x::text::bigint FROM unnest(%s::text[]::xid8[]) x WHERE pg_xact_status(x) = 'in progress'",
-                    ([str(x) for x in running],),
-                ).fetchall()
-            ]
-            if not running:
+        while True:
+            (oldest_running,) = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()
+            if oldest_running >= ours:
                 break
             if self._monotonic() >= deadline:
-                log.info("no heartbeat this round: transaction(s) %s still in progress", running[:5])
+                log.info("no heartbeat this round: transaction %s (older than %s) still in progress", oldest_running, ours)
                 return None
             self._sleep(0.01)
         insert = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
