@@ -32,7 +32,6 @@ snapshot requirement makes it a compare-and-set.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -50,6 +49,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.commit import CommitResult, JobKind, commit_with_retry, delete_files, new_transaction
 from partfin_assets.core.history import lineage, summary_of
+from partfin_assets.core.stats import compact_json
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ class Job:
         out[K.JOB_ID] = self.job_id
         out[K.JOB_KIND] = self.kind.value
         if self.partitions and len(self.partitions) <= JOB_PARTITIONS_LIMIT:
-            out[K.JOB_PARTITIONS] = json.dumps(sorted(self.partitions), separators=(",", ":"))
+            out[K.JOB_PARTITIONS] = compact_json(sorted(self.partitions))
         if self.kind in FAILING_KINDS and self.start_snapshot_id is not None:
             out[K.JOB_START_SNAPSHOT] = str(self.start_snapshot_id)
         return out

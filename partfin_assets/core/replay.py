@@ -28,7 +28,6 @@ stats ... overwrites"):
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from partfin_assets.core import summary_keys as K
 from partfin_assets.core.commit import JobKind
 from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
 from partfin_assets.core.history import watermark_of
-from partfin_assets.core.stats import EventTimeProfile, encode_by_hour
+from partfin_assets.core.stats import EventTimeProfile, compact_json, encode_by_hour
 from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.core.watermark_processor import late_records_total
 from partfin_assets.sources.base import CDC_RECORD_SCHEMA, CdcSource
@@ -153,7 +152,7 @@ def replay_hour(
                 K.LATE_RECORDS_TOTAL: str(late_records_total(head.metadata) + late),
             }
             if late:
-                out[K.LATE_RECORDS_BY_HOUR] = json.dumps({iso_z(hour_us): late}, separators=(",", ":"))
+                out[K.LATE_RECORDS_BY_HOUR] = compact_json({iso_z(hour_us): late})
             if watermark is not None:
                 out[K.WATERMARK] = iso_z(watermark)
             if times.size:

@@ -226,7 +226,7 @@ def _sorted_quantile(sorted_values: np.ndarray, q: float) -> int:
 
 
 def compact_json(value: object) -> str:
-    """JSON without spaces, as json.dumps(separators=(",", ":")) writes it, three times faster."""
+    """How partfin writes JSON into snapshot summaries: no spaces, non-ASCII as UTF-8 (pydantic-core, 3x json.dumps)."""
     return to_json(value).decode()
 
 

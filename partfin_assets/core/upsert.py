@@ -36,7 +36,6 @@ check (DESIGN §6) needs.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -87,6 +86,7 @@ from partfin_assets.core.conflicts import find_conflict, partition_path, partiti
 from partfin_assets.core.history import summary_of
 from partfin_assets.core.payload import UpsertPayloadError, decode_columns
 from partfin_assets.core.sink import crash_point
+from partfin_assets.core.stats import compact_json
 from partfin_assets.core.tablespec import TableSpec
 from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, parse_iso, to_us
 
@@ -655,7 +655,7 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
         SUMMARY_UPDATED: str(merge.updated),
         SUMMARY_DELETED: str(merge.deleted),
         SUMMARY_STALE: str(merge.stale),
-        SUMMARY_HOURS: json.dumps(merge.hours, separators=(",", ":")),
+        SUMMARY_HOURS: compact_json(merge.hours),
     }
     properties = {K.PROP_SOURCE_TABLE: spec.cdc_identifier, K.PROP_SOURCE_SNAPSHOT_ID: str(plan.cdc_snapshot.snapshot_id)}
     if plan.watermark:

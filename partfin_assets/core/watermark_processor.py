@@ -14,7 +14,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.core import summary_keys as K
 from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of, watermark_of
 from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes
-from partfin_assets.core.stats import hour_bounds
+from partfin_assets.core.stats import compact_json, hour_bounds
 from partfin_assets.core.timeutil import floor_hour_us, iso_z
 from partfin_assets.core.watermark import WatermarkPolicy, advance
 
@@ -89,7 +89,7 @@ class WatermarkProcessor(CommitProcessor):
         ctx.summary[K.LATE_RECORDS] = str(late_count)
         ctx.summary[K.LATE_RECORDS_TOTAL] = str(late_records_total(metadata) + late_count)
         if late:
-            ctx.summary[K.LATE_RECORDS_BY_HOUR] = json.dumps(late, separators=(",", ":"))
+            ctx.summary[K.LATE_RECORDS_BY_HOUR] = compact_json(late)
         if watermark is not None:
             ctx.summary[K.WATERMARK] = iso_z(watermark)
             if watermark != previous:
