@@ -28,13 +28,13 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partfin_assets.core.catalog import load_partfin_catalog  # noqa: E402
-from partfin_assets.core.compaction import compact  # noqa: E402
-from partfin_assets.core.conflicts import live_files  # noqa: E402
-from partfin_assets.core.maintenance import Retention  # noqa: E402
-from partfin_assets.core.sink import CdcWriter  # noqa: E402
-from partfin_assets.core.tablespec import TableSpec  # noqa: E402
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch  # noqa: E402
+from partfin_assets.iceberg.catalog import load_partfin_catalog  # noqa: E402
+from partfin_assets.iceberg.expiry import Retention  # noqa: E402
+from partfin_assets.iceberg.files import live_files  # noqa: E402
+from partfin_assets.ingest.writer import CdcWriter  # noqa: E402
+from partfin_assets.jobs.compaction import compact  # noqa: E402
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch  # noqa: E402
+from partfin_assets.model.tablespec import TableSpec  # noqa: E402
 
 T0 = 1_793_491_200_000_000
 SPEC = TableSpec("bench", ("id",), {"id": pa.int64(), "amount": pa.float64()})

@@ -35,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan  # noqa: E402
 from pyiceberg.io.pyarrow import _dataframe_to_data_files  # noqa: E402
 
-from partfin_assets.core import conflicts  # noqa: E402
-from partfin_assets.core.catalog import ensure_namespaces, load_partfin_catalog  # noqa: E402
-from partfin_assets.core.commit import MANAGED_TABLE_PROPERTIES  # noqa: E402
-from partfin_assets.core.conflicts import find_conflict, hour_partition, snapshots_since  # noqa: E402
-from partfin_assets.core.sink import CDC_PARTITION_SPEC, CDC_SCHEMA  # noqa: E402
-from partfin_assets.core.timeutil import iso_z  # noqa: E402
+from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catalog  # noqa: E402
+from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES  # noqa: E402
+from partfin_assets.iceberg.files import hour_partition  # noqa: E402
+from partfin_assets.iceberg.history import snapshots_since  # noqa: E402
+from partfin_assets.iceberg.tables import CDC_PARTITION_SPEC, CDC_SCHEMA  # noqa: E402
+from partfin_assets.jobs import conflicts
+from partfin_assets.jobs.conflicts import find_conflict  # noqa: E402
+from partfin_assets.model.timeutil import iso_z  # noqa: E402
 
 T0 = 1_793_491_200_000_000  # 2026-11-01T00:00Z in us
 HOUR = 3_600_000_000

@@ -24,10 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.ingest.event_time import EventTimeAccumulator
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
 
 SPEC = TableSpec("bench", ("id",), {"id": pa.int64(), "amount": pa.float64()})
 T0_US = 1_790_000_000_000_000

@@ -26,8 +26,8 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.sink import CdcWriter
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.sources.debezium import DebeziumFileSource
 from partfin_assets.sources.postgres import PostgresSource
 from partfin_assets_tests.postgres_cluster import throwaway_cluster

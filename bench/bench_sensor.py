@@ -26,10 +26,11 @@ from pathlib import Path
 
 
 def build_history(root: Path, hours: int) -> dict:
-    from partfin_assets.core.catalog import load_partfin_catalog
-    from partfin_assets.core.sink import CdcWriter
-    from partfin_assets.core.upsert import ensure_base_table, run_upsert
     from partfin_assets.defs.tables import TABLES
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.tables import ensure_base_table
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.jobs.upsert import run_upsert
     from partfin_assets.sources.synthetic import SyntheticSource
 
     spec = TABLES[0].spec
@@ -60,9 +61,10 @@ def bench(hours: int, ticks: int, workdir: Path) -> dict:
 
     from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
 
-    from partfin_assets.core.partitions import FinalizationCursor, hour_key, newly_finalized, watermark_of
-    from partfin_assets.core.timeutil import US_PER_HOUR, to_us
     from partfin_assets.defs import build_definitions
+    from partfin_assets.finalization.hours import FinalizationCursor, hour_key, newly_finalized
+    from partfin_assets.iceberg.history import watermark_of
+    from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 
     defs = build_definitions()
     sensor = defs.resolve_sensor_def("finalize_orders_sensor")

@@ -34,11 +34,12 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partfin_assets.core.catalog import ensure_namespaces, load_partfin_catalog
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.upsert import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base, run_upsert
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catalog
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
 
 SPEC = TableSpec(
     "bench",

@@ -9,11 +9,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import PartfinConfigError, load_partfin_catalog
-from partfin_assets.core.commit import new_transaction
-from partfin_assets.core.sink import CdcWriter, CheckpointResult
-from partfin_assets.core.tablespec import PROP_COLUMNS, TableSpec
+from rich.console import Console
+from rich.live import Live
+
+from partfin_assets.finalization.status import all_table_status
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.commit import new_transaction
+from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import PartfinConfigError
+from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
+from partfin_assets.sources.registry import make_source, postgres_table_spec, source_kind
+from partfin_assets.sources.synthetic import ORDERS_SPEC
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,8 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from partfin_assets.sources.registry import make_source
-
     catalog = load_partfin_catalog()
     spec = _ingest_spec(catalog, args)
     source = make_source(args.source, spec, primary_key=args.primary_key, **({"follow": True} if args.follow else {}))
@@ -68,19 +74,14 @@ def _ingest(args: argparse.Namespace) -> int:
 
 def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
     """The table's declaration: the one stored with cdc.<table>, else the source's own or --primary-key."""
-    from partfin_assets.sources.registry import source_kind
 
     kind = source_kind(args.source)
     identifier = f"cdc.{args.table}"
     if catalog.table_exists(identifier):
         return TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
     if kind == "synthetic":
-        from partfin_assets.sources.synthetic import ORDERS_SPEC
-
         return TableSpec(args.table, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
     if kind == "postgres":  # key and column types from the database table
-        from partfin_assets.sources.registry import postgres_table_spec
-
         return postgres_table_spec(args.source, args.table, args.primary_key)
     if not args.primary_key:
         raise ValueError(f"{identifier} does not exist yet: give its key with --primary-key COL[,COL]")
@@ -106,9 +107,6 @@ class _Progress:
         self.checkpoints = self.records = self.late = self.rejected = 0
         self.live = None
         if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.live import Live
-
             self.live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
             self.live.start()
 
@@ -133,16 +131,12 @@ class _Progress:
 
 
 def _upsert(args: argparse.Namespace) -> int:
-    from partfin_assets.core.upsert import run_upsert
-
     result = run_upsert(load_partfin_catalog(), args.table)
     print(result.describe())
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from partfin_assets.core.status import all_table_status
-
     statuses = all_table_status(load_partfin_catalog())
     if args.json:
         print(json.dumps({"tables": [s.as_dict() for s in statuses]}, indent=2))

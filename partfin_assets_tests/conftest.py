@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import to_us
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import to_us
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 T0_US = to_us(T0)

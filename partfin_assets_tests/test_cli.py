@@ -78,7 +78,7 @@ def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):
     result = partfin(tmp_path, "ingest", "--table", "shop", "--source", f"debezium:{path}", "--primary-key", "id")
     assert result.returncode == 0, result.stderr
 
-    from partfin_assets.core.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     catalog = load_partfin_catalog(tmp_path)
     rejected = catalog.load_table("cdc.shop__rejected").scan().to_arrow().sort_by("source_seq")

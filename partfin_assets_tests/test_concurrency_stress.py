@@ -9,22 +9,24 @@ regressed (neither in the recorded history nor as seen by the workers).
 from __future__ import annotations
 
 import multiprocessing
-from collections import Counter
 import random
 import uuid
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import CatalogConfig
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import CommitConflictError, hour_partition, touched_partitions
-from partfin_assets.core.history import summary_of, watermark_history
-from partfin_assets.core.maintenance import Retention, list_table_files, referenced_files, remove_orphan_files
-from partfin_assets.core.timeutil import to_us
+from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.files import hour_partition
+from partfin_assets.iceberg.history import summary_of, watermark_history
+from partfin_assets.jobs.conflicts import CommitConflictError, touched_partitions
+from partfin_assets.jobs.maintenance import list_table_files, referenced_files, remove_orphan_files
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.timeutil import to_us
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 WORKERS = 3
@@ -44,11 +46,11 @@ def _catalog(home: str, uri: str | None):
 
 def worker(home: str, uri: str | None, index: int, seed: int, jobs: int) -> list[dict]:
     """One process: `jobs` random jobs; returns what it did (committed / conflict / noop)."""
-    from partfin_assets.core.compaction import compact
-    from partfin_assets.core.privacy import cdc_key_filter, delete_where
-    from partfin_assets.core.replay import replay_hour
-    from partfin_assets.core.sink import CdcWriter
-    from partfin_assets.core.history import watermark_of
+    from partfin_assets.iceberg.history import watermark_of
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.jobs.compaction import compact
+    from partfin_assets.jobs.privacy import cdc_key_filter, delete_where
+    from partfin_assets.jobs.replay import replay_hour
 
     catalog = _catalog(home, uri)
     rng = random.Random(seed)
@@ -104,7 +106,7 @@ def catalog_location(request, tmp_path):
 
 
 def test_random_jobs_from_several_processes(catalog_location):
-    from partfin_assets.core.sink import CdcWriter
+    from partfin_assets.ingest.writer import CdcWriter
 
     home, uri = catalog_location
     catalog = _catalog(home, uri)

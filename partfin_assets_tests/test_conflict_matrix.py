@@ -19,17 +19,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import CatalogConfig
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.compaction import compact, files_per_partition
-from partfin_assets.core.conflicts import CommitConflictError, hour_partition
-from partfin_assets.core.history import watermark_history
-from partfin_assets.core.maintenance import Retention, list_table_files, referenced_files
-from partfin_assets.core.privacy import cdc_key_filter, delete_where
-from partfin_assets.core.replay import replay_hour
-from partfin_assets.core.sink import CdcWriter, CommitProcessor
-from partfin_assets.core.watermark_processor import WatermarkProcessor
+from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.files import hour_partition
+from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.ingest.extensions import CommitProcessor
+from partfin_assets.ingest.watermark_processor import WatermarkProcessor
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.compaction import compact, files_per_partition
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.maintenance import list_table_files, referenced_files
+from partfin_assets.jobs.privacy import cdc_key_filter, delete_where
+from partfin_assets.jobs.replay import replay_hour
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 KINDS = [JobKind.OVERWRITE, JobKind.INTO, JobKind.UPDATE_DELETE, JobKind.MERGE]
@@ -147,7 +150,7 @@ def run_job(catalog, kind: JobKind, name: str, tag: int, barrier: Barrier | None
         writer = CdcWriter(catalog, ORDERS, writer_id=f"into-{tag}", retention=NO_EXPIRY,
                            processors=[Gate(barrier), WatermarkProcessor()])
         records = into_rows(name, tag)
-        from partfin_assets.sources.base import ChangeBatch
+        from partfin_assets.model.records import ChangeBatch
 
         return Outcome(writer.write_checkpoint(ChangeBatch(records, offset=f"into-{tag}")).snapshot_id)
     if kind is JobKind.OVERWRITE:
@@ -264,8 +267,8 @@ def _seeded(catalog, *, partition_limit: str | None = None):
 @pytest.mark.parametrize("summaries", ["summary", "truncated", "stripped"])
 def test_conflicts_are_found_from_manifests_when_summaries_lack_partitions(catalog, monkeypatch, summaries):
     """Partition summaries present; truncated by write.summary.partition-limit; or absent (another engine)."""
-    from partfin_assets.core import conflicts
-    from partfin_assets.core.conflicts import find_conflict, touched_partitions
+    from partfin_assets.jobs import conflicts
+    from partfin_assets.jobs.conflicts import find_conflict, touched_partitions
 
     _seeded(catalog, partition_limit="0" if summaries == "truncated" else None)
     if summaries == "stripped":
@@ -289,9 +292,10 @@ def test_unpartitioned_tables_conflict_on_any_file_change_but_not_on_empty_commi
     from pyiceberg.schema import Schema
     from pyiceberg.types import LongType, NestedField
 
-    from partfin_assets.core.catalog import ensure_namespaces
-    from partfin_assets.core.commit import MANAGED_TABLE_PROPERTIES
-    from partfin_assets.core.conflicts import Job, WHOLE_TABLE
+    from partfin_assets.iceberg.catalog import ensure_namespaces
+    from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES
+    from partfin_assets.iceberg.files import WHOLE_TABLE
+    from partfin_assets.jobs.job import Job
 
     ensure_namespaces(catalog, "misc")
     catalog.create_table("misc.t", Schema(NestedField(1, "x", LongType(), required=True)), properties=MANAGED_TABLE_PROPERTIES)
@@ -319,7 +323,7 @@ def test_expiry_during_a_job_neither_hides_nor_invents_conflicts(catalog, scenar
     Only when snapshots *after* the start expired too (a gap) is the answer unknowable: then conflict.
     """
     touch_own_partition = scenario == "start-expired-own-partition"
-    from partfin_assets.core.conflicts import find_conflict
+    from partfin_assets.jobs.conflicts import find_conflict
 
     seed(catalog)
     run_job(catalog, JobKind.OVERWRITE, "B", 9, None)  # the job's start: a snapshot nothing protects from expiry
@@ -396,7 +400,7 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
         assert written and not any(Path(p.removeprefix("file://")).exists() for p in written)
         # the data files are gone; the attempt's manifests stay (the outcome was unknown when they
         # were written) until orphan-file removal, which finds exactly those
-        from partfin_assets.core.maintenance import remove_orphan_files
+        from partfin_assets.jobs.maintenance import remove_orphan_files
 
         report = remove_orphan_files(catalog, "cdc.orders", older_than_s=0)
         assert report.orphans and all("/metadata/" in p and p.endswith(".avro") for p in report.orphans)
@@ -404,7 +408,7 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
 
 
 def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
-    from partfin_assets.core.conflicts import retry_on_conflict
+    from partfin_assets.jobs.job import retry_on_conflict
 
     seed(catalog)
     attempts = []
@@ -423,7 +427,7 @@ def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
 
 
 def test_partfin_transaction_sees_each_staged_change_and_commits_like_pyiceberg(catalog):
-    from partfin_assets.core.commit import new_transaction
+    from partfin_assets.iceberg.commit import new_transaction
 
     seed(catalog)
     table = catalog.load_table("cdc.orders")

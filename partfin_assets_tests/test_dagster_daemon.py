@@ -15,14 +15,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.partitions import hour_key, newly_finalized, watermark_of
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.timeutil import iso_z, to_us
-from partfin_assets.core.upsert import ensure_base_table, run_upsert
-from partfin_assets.defs import devtools
 from partfin_assets.defs.tables import TABLES
+from partfin_assets.finalization.hours import hour_key, newly_finalized
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model.timeutil import iso_z, to_us
 from partfin_assets.sources.synthetic import SyntheticSource
+from partfin_assets.testing import dagster_processes
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -70,7 +72,7 @@ def finalize_ticks(instance) -> int:
 
 def test_exactly_once_across_daemon_restart(tmp_path):
     home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
-    env = devtools.dagster_env(
+    env = dagster_processes.dagster_env(
         home, dagster_home,
         PARTFIN_SENSORS="finalize",  # the test drives the stream; only the finalization sensor runs
         PARTFIN_FINALIZE_INTERVAL="3",
@@ -82,9 +84,9 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     assert FAIL_ONCE_HOUR in phase1, f"watermark {iso_z(first_w)} too low for the test"
 
     instance = DagsterInstance.from_config(str(dagster_home))
-    proc = devtools.daemon(env, tmp_path / "daemon-1.log").start()
+    proc = dagster_processes.daemon(env, tmp_path / "daemon-1.log").start()
     try:
-        devtools.wait_for(lambda: settled(instance, phase1), 240, f"runs of {phase1}", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: settled(instance, phase1), 240, f"runs of {phase1}", on_timeout=proc.log_tail)
     finally:
         proc.stop()
 
@@ -94,13 +96,13 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     assert len(expected) >= len(phase1) + 2, f"{iso_z(first_w)} -> {iso_z(second_w)}"
     assert not settled(instance, expected)
 
-    proc = devtools.daemon(env, tmp_path / "daemon-2.log").start()
+    proc = dagster_processes.daemon(env, tmp_path / "daemon-2.log").start()
     try:
-        devtools.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
         # let the sensor tick a few more times: nothing new may be requested
         ticks = finalize_ticks(instance)
-        devtools.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
-        devtools.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
+        dagster_processes.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
     finally:
         proc.stop()
 

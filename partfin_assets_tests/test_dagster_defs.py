@@ -15,8 +15,8 @@ from dagster import (
     build_sensor_context,
 )
 
-from partfin_assets.core.partitions import hour_key
-from partfin_assets.core.timeutil import US_PER_HOUR
+from partfin_assets.finalization.hours import hour_key
+from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 
 START = "2026-01-01T00:00:00Z"
@@ -102,8 +102,9 @@ def test_pipeline_in_process(env, monkeypatch):
     assert keys == sorted(keys) and keys[0] == "2026-01-01-00:00"
     assert len(set(r.run_key for r in first.run_requests)) == len(keys)
     assert [e.partition for e in first.asset_events] == keys
-    from partfin_assets.core.catalog import load_partfin_catalog
-    from partfin_assets.core.partitions import is_finalized, watermark_of
+    from partfin_assets.finalization.hours import is_finalized
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.history import watermark_of
 
     watermark = watermark_of(load_partfin_catalog().load_table("base.orders").properties)
     assert len(keys) == (watermark - 1767225600_000_000) // US_PER_HOUR

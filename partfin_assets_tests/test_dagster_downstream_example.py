@@ -6,11 +6,11 @@ import importlib.util
 
 from dagster import AssetMaterialization, DagsterInstance, build_sensor_context
 
-from partfin_assets.defs import devtools
+from partfin_assets.testing import dagster_processes
 
 
 def load_example():
-    path = devtools.REPO / "examples" / "downstream_team" / "definitions.py"
+    path = dagster_processes.REPO / "examples" / "downstream_team" / "definitions.py"
     spec = importlib.util.spec_from_file_location("downstream_team_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,13 +11,15 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, RunConfig
 
-from partfin_assets.core import compaction as compaction_core
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.compaction import files_per_partition
-from partfin_assets.core.conflicts import Job, live_files, read_files
-from partfin_assets.core.partitions import hour_from_key, is_finalized, watermark_of
-from partfin_assets.core.timeutil import US_PER_HOUR
+from partfin_assets.finalization.hours import hour_from_key, is_finalized
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.files import live_files, read_files
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.jobs import compaction as compaction_core
+from partfin_assets.jobs.compaction import files_per_partition
+from partfin_assets.jobs.job import Job
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,13 +274,14 @@ def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
     from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
     from dagster._core.utils import make_new_backfill_id
 
-    from partfin_assets.core.sink import CdcWriter
-    from partfin_assets.defs import build_definitions, devtools
+    from partfin_assets.defs import build_definitions
     from partfin_assets.defs.tables import PartfinTable
+    from partfin_assets.ingest.writer import CdcWriter
     from partfin_assets.sources.registry import make_source
+    from partfin_assets.testing import dagster_processes
 
     home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
-    env = devtools.dagster_env(
+    env = dagster_processes.dagster_env(
         home, dagster_home, PARTFIN_SENSORS="", PARTFIN_SCHEDULES="", PARTFIN_SOURCE=STREAM,
         PARTFIN_PARTITIONS_START="2026-01-01-00:00",
     )
@@ -301,9 +304,9 @@ def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
         title="replay three hours", description=None, run_config=None,
     )
     instance.add_backfill(backfill)
-    proc = devtools.daemon(env, tmp_path / "daemon.log").start()
+    proc = dagster_processes.daemon(env, tmp_path / "daemon.log").start()
     try:
-        devtools.wait_for(
+        dagster_processes.wait_for(
             lambda: instance.get_backfill(backfill.backfill_id).status != BulkActionStatus.REQUESTED, 180,
             "the backfill to finish", on_timeout=proc.log_tail,
         )

@@ -13,10 +13,10 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.history import watermark_history
-from partfin_assets.core.timeutil import parse_iso, to_us
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import parse_iso, to_us
 from partfin_assets.sources.registry import make_source
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 

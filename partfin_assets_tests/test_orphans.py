@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.compaction import compact
-from partfin_assets.core.conflicts import Job
-from partfin_assets.core.history import recent_commit_stats
-from partfin_assets.core.maintenance import Retention, expire_table_snapshots, list_table_files, referenced_files, remove_orphan_files
-from partfin_assets.core.sink import CdcWriter
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import recent_commit_stats
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.compaction import compact
+from partfin_assets.jobs.job import Job
+from partfin_assets.jobs.maintenance import expire_table_snapshots, list_table_files, referenced_files, remove_orphan_files
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 

@@ -1,36 +1,25 @@
-"""core/partitions.py: partition metadata, finalization and late data from summaries (no Dagster)."""
+"""partfin_assets/finalization: partition metadata, finalization and late data from summaries (no Dagster)."""
 
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime, timedelta
-
 import json
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.history import lineage, summary_of, watermark_history
-from partfin_assets.core.partitions import (
-    FinalizationCursor,
-    checkpoint_hours,
-    checkpoint_reports,
-    hour_from_key,
-    hour_key,
-    is_finalized,
-    late_after_run,
-    late_data,
-    merge_hours,
-    newly_finalized,
-    partition_counts,
-    watermark_regressions,
-)
-from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
-from partfin_assets.core.stats import EventTimeProfile, decode_by_hour
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, to_us
+from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, is_finalized, newly_finalized
+from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
+from partfin_assets.finalization.partition_metadata import checkpoint_hours, checkpoint_reports, merge_hours, partition_counts
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.history import lineage, summary_of, watermark_history
+from partfin_assets.ingest.event_time import EventTimeAccumulator
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import EventTimeProfile, decode_by_hour
+from partfin_assets.model.timeutil import US_PER_HOUR, iso_z, to_us
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 from partfin_assets_tests.conftest import change_batch
 
@@ -148,11 +137,11 @@ def test_rewrites_and_replays_are_not_counted_as_new_records(written):
     `partitions.*` added-records of a compaction (or a delete's rewritten files, or a replayed
     hour's whole content) must not show up as new records of base partitions.
     """
-    from partfin_assets.core.compaction import compact
-    from partfin_assets.core.partitions import new_record_hours, new_records_by_hour, upsert_reports
-    from partfin_assets.core.privacy import privacy_delete
-    from partfin_assets.core.replay import replay_hour
-    from partfin_assets.sources.base import CDC_RECORD_SCHEMA
+    from partfin_assets.finalization.partition_metadata import new_record_hours, new_records_by_hour, upsert_reports
+    from partfin_assets.jobs.compaction import compact
+    from partfin_assets.jobs.privacy import privacy_delete
+    from partfin_assets.jobs.replay import replay_hour
+    from partfin_assets.model.records import CDC_RECORD_SCHEMA
 
     catalog, results = written
     ingested = sum(r.records for r in results)
@@ -199,7 +188,7 @@ def test_rewrites_and_replays_are_not_counted_as_new_records(written):
 
 
 def test_not_finalized_reason_names_hour_and_watermark():
-    from partfin_assets.core.partitions import not_finalized_reason
+    from partfin_assets.finalization.hours import not_finalized_reason
 
     hour = to_us(datetime(2026, 11, 1, 5, tzinfo=UTC))
     assert not_finalized_reason(hour, hour + US_PER_HOUR, "base.orders") is None

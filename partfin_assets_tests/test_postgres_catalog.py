@@ -6,10 +6,10 @@ import uuid
 
 import numpy as np
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import CatalogConfig
-from partfin_assets.core.history import watermark_history
-from partfin_assets.core.sink import CdcWriter
+from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 

@@ -73,13 +73,13 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import CatalogConfig
-from partfin_assets.core.history import summary_of
-from partfin_assets.core.partitions import hour_key, watermark_of
-from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z, to_us
-from partfin_assets.core.upsert import read_base
-from partfin_assets.defs import devtools
+from partfin_assets.finalization.hours import hour_key
+from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.iceberg.history import summary_of, watermark_of
+from partfin_assets.iceberg.tables import read_base
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z, to_us
+from partfin_assets.testing import dagster_processes
 from partfin_assets_tests.postgres_cluster import throwaway_cluster
 
 pytestmark = pytest.mark.timeout(420)
@@ -209,7 +209,7 @@ def database_setup(cluster) -> None:
 def deployment_env(cluster, home: Path, dagster_home: Path, start_hour_us: int) -> dict[str, str]:
     dagster_home.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "dagster.postgres.yaml", dagster_home / "dagster.yaml")  # dagster_env keeps an existing one
-    return devtools.dagster_env(
+    return dagster_processes.dagster_env(
         home,
         dagster_home,
         DAGSTER_PG_HOST=cluster.host,
@@ -289,7 +289,7 @@ def test_postgres_deployment_finalizes_each_hour_once_with_source_counts(tmp_pat
             monkeypatch.setenv(name, env[name])
         instance = DagsterInstance.from_config(str(dagster_home))  # creates the schema before the daemon starts
         catalog = CatalogConfig(home=home, uri=env["PARTFIN_CATALOG_URI"]).load()
-        daemon = devtools.daemon(env, tmp_path / "daemon.log").start()
+        daemon = dagster_processes.daemon(env, tmp_path / "daemon.log").start()
         workload = Workload(cluster.dsn("shop"))
         try:
             workload.start()
@@ -311,7 +311,7 @@ def test_postgres_deployment_finalizes_each_hour_once_with_source_counts(tmp_pat
                         if r.dagster_run.status == DagsterRunStatus.SUCCESS}  # fmt: skip
                 return {hour_key(h) for h in hours} <= done
 
-            devtools.wait_for(drained, DRAIN_TIMEOUT, f"base watermark >= {iso_z(target)} and downstream runs of {len(hours)} hours",
+            dagster_processes.wait_for(drained, DRAIN_TIMEOUT, f"base watermark >= {iso_z(target)} and downstream runs of {len(hours)} hours",
                               interval=1.0, on_timeout=daemon.log_tail)  # fmt: skip
         finally:
             workload.stop()
@@ -359,7 +359,7 @@ def test_postgres_deployment_finalizes_each_hour_once_with_source_counts(tmp_pat
 
 
 def _hour(partition_key: str) -> int:
-    from partfin_assets.core.partitions import hour_from_key
+    from partfin_assets.finalization.hours import hour_from_key
 
     return hour_from_key(partition_key)
 

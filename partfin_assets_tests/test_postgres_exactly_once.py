@@ -19,8 +19,8 @@ from collections import Counter
 import psycopg
 import pyarrow as pa
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.history import last_writer_position
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.history import last_writer_position
 from partfin_assets.sources.postgres import lsn_to_int
 from partfin_assets_tests.test_postgres_source import (  # noqa: F401  (database is a fixture)
     TABLE_DDL,

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.timeutil import floor_hour_us, parse_iso, to_us
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import floor_hour_us, parse_iso, to_us
 from partfin_assets.sources.postgres import PostgresSource, PostgresSourceError, lsn_to_int
 from partfin_assets.sources.registry import make_source
 
@@ -99,7 +99,7 @@ def written_rows(table: pa.Table) -> Counter:
 
 
 def committed_offset(catalog, writer_id: str = "orders-writer") -> dict | None:
-    from partfin_assets.core.history import last_writer_position
+    from partfin_assets.iceberg.history import last_writer_position
 
     position = last_writer_position(catalog.load_table("cdc.orders").metadata, writer_id)
     return json.loads(position.source_offset) if position and position.source_offset else None

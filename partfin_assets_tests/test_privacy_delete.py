@@ -8,13 +8,14 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import CommitConflictError
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.privacy import base_key_filter, cdc_key_filter, delete_where, privacy_delete
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.upsert import read_base, run_upsert
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.tables import read_base
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.privacy import base_key_filter, cdc_key_filter, delete_where, privacy_delete
+from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 
@@ -120,7 +121,7 @@ def test_delete_conflicts_with_a_commit_to_its_partition_and_leaves_nothing(load
 
 
 def test_base_key_filter_matches_exactly(loaded):
-    from partfin_assets.core.tablespec import TableSpec
+    from partfin_assets.model.tablespec import TableSpec
 
     spec = TableSpec.from_properties("orders", loaded.load_table("cdc.orders").properties)
     _, mask = base_key_filter(spec, [{"id": 2}, {"id": 9}])
@@ -137,7 +138,7 @@ def test_upsert_conflicts_with_a_base_delete_only_in_its_buckets(loaded, same_bu
     from pyiceberg.transforms import BucketTransform
     from pyiceberg.types import LongType
 
-    from partfin_assets.core.tablespec import TableSpec
+    from partfin_assets.model.tablespec import TableSpec
 
     catalog = loaded
     bucket = BucketTransform(16).transform(LongType())

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.history import recent_commit_stats, watermark_history
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.partitions import checkpoint_hours, late_data
-from partfin_assets.core.replay import records_for_hour, replay_hour, replay_hour_from_source
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.watermark_processor import late_records_total
-from partfin_assets.sources.base import ChangeBatch
+from partfin_assets.finalization.late_data import late_data
+from partfin_assets.finalization.partition_metadata import checkpoint_hours
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import late_records_total, recent_commit_stats, watermark_history
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.replay import records_for_hour, replay_hour, replay_hour_from_source
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import ChangeBatch
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 

@@ -11,11 +11,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import last_writer_position
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.sink import Accumulator, CdcWriter, CommitProcessor
-from partfin_assets.sources.base import REJECTED_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import last_writer_position
+from partfin_assets.ingest.extensions import Accumulator, CommitProcessor
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 
@@ -173,7 +174,7 @@ def test_retention_bounds_history_but_keeps_policy_window_and_resume_position(ca
 
 
 def result_hour(minute: int) -> str:
-    from partfin_assets.core.timeutil import floor_hour_us, iso_z
+    from partfin_assets.model.timeutil import floor_hour_us, iso_z
 
     return iso_z(floor_hour_us(T0_US + minute * MINUTE_US))
 
@@ -203,7 +204,7 @@ def test_bad_batch_schema_is_refused_with_a_clear_error(catalog):
 
 
 def test_a_processor_without_its_accumulator_is_refused_up_front(catalog):
-    from partfin_assets.core.watermark_processor import WatermarkProcessor
+    from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 
     with pytest.raises(ValueError, match=r"WatermarkProcessor needs accumulator\(s\) \['event-time'\]"):
         CdcWriter(catalog, ORDERS, accumulators=[], processors=[WatermarkProcessor()])

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import to_us
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.record_keys import canonical_key, key_json_column, parse_key
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import to_us
 from partfin_assets.sources.debezium import DebeziumFileSource
-from partfin_assets.sources.keys import canonical_key, key_json_column, parse_key
 from partfin_assets.sources.registry import make_source
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 

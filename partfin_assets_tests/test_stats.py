@@ -9,10 +9,11 @@ import numpy as np
 import pyarrow.compute as pc
 import tdigest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.sink import CdcWriter, EventTimeAccumulator
-from partfin_assets.core.stats import EventTimeProfile, EventTimeStats
-from partfin_assets.core.timeutil import floor_hour_us, iso_z
+from partfin_assets.ingest.event_time import EventTimeAccumulator
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import EventTimeProfile, EventTimeStats
+from partfin_assets.model.timeutil import floor_hour_us, iso_z
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 
@@ -82,7 +83,7 @@ def test_large_batches_digest_within_a_few_input_runs_of_fastdigest_fed_every_va
     """Past DIGEST_INPUT_POINTS values the digest is fed runs of values as weighted means."""
     from fastdigest import TDigest
 
-    from partfin_assets.core.stats import DIGEST_CENTROIDS, DIGEST_INPUT_POINTS
+    from partfin_assets.model.stats import DIGEST_CENTROIDS, DIGEST_INPUT_POINTS
 
     rng = np.random.default_rng(11)
     for n in (DIGEST_INPUT_POINTS + 1, 20_000, 250_000):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import subprocess
+import tempfile
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 
-from partfin_assets.defs import devtools
+from partfin_assets.testing import dagster_processes
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -78,7 +78,7 @@ def test_demo_in_chromium(tmp_path):
     shots.mkdir(parents=True)
     print(f"\nscreenshots: {shots}")
     start = (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%d-00:00")
-    env = devtools.dagster_env(
+    env = dagster_processes.dagster_env(
         tmp_path / "partfin", tmp_path / "dagster",
         # a short replay with a heavier late tail: partitions, finalization and a WARN within a minute or two
         PARTFIN_SOURCE="synthetic:rate=1,hours=4,late_fraction=0.01,key_space=1000000",
@@ -90,11 +90,11 @@ def test_demo_in_chromium(tmp_path):
     )
     port = free_port()
     instance = DagsterInstance.from_config(str(tmp_path / "dagster"))  # creates the storage before dagster dev does
-    proc = devtools.dev(env, tmp_path / "dagster-dev.log", port).start()
+    proc = dagster_processes.dev(env, tmp_path / "dagster-dev.log", port).start()
     try:
-        devtools.wait_for(lambda: webserver_up(port), 120, "the webserver", on_timeout=proc.log_tail)
-        partition = devtools.wait_for(lambda: finalized_partition(instance), 240, "a finalized downstream partition", on_timeout=proc.log_tail)
-        devtools.wait_for(lambda: late_data_evaluated(instance), 180, "a late_data check result", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: webserver_up(port), 120, "the webserver", on_timeout=proc.log_tail)
+        partition = dagster_processes.wait_for(lambda: finalized_partition(instance), 240, "a finalized downstream partition", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: late_data_evaluated(instance), 180, "a late_data check result", on_timeout=proc.log_tail)
 
         base_url = f"http://127.0.0.1:{port}"
         with sync_playwright() as playwright:

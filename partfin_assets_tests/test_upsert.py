@@ -11,24 +11,17 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.history import summary_of, watermark_history
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import parse_iso, to_us
-from partfin_assets.core.upsert import (
-    DELETED,
-    EVENT_TIME,
-    MERGED_TAG,
-    SOURCE_SEQ,
-    UpsertPayloadError,
-    ensure_base_table,
-    read_base,
-    run_upsert,
-)
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import summary_of, watermark_history
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.upsert import MERGED_TAG, run_upsert
+from partfin_assets.jobs.upsert.payload import UpsertPayloadError
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import parse_iso, to_us
 
 SPEC = TableSpec(
     name="orders",

@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import summary_of, watermark_history
-from partfin_assets.core.upsert import MERGED_TAG
+from partfin_assets.iceberg.history import summary_of, watermark_history
+from partfin_assets.jobs.upsert import MERGED_TAG
+from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_upsert import Change, Harness
 from partfin_assets_tests.test_upsert_properties import reference
 
 UPSERT = (
-    "import sys; from partfin_assets.core.catalog import load_partfin_catalog; "
-    "from partfin_assets.core.upsert import run_upsert; "
+    "import sys; from partfin_assets.iceberg.catalog import load_partfin_catalog; "
+    "from partfin_assets.jobs.upsert import run_upsert; "
     "print(run_upsert(load_partfin_catalog(sys.argv[1]), 'orders').describe())"
 )
 

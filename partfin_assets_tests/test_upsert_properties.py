@@ -14,8 +14,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import summary_of, watermark_history
+from partfin_assets.iceberg.history import summary_of, watermark_history
+from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_upsert import Change, Harness
 
 KEYS = st.integers(min_value=1, max_value=4)

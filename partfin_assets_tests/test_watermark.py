@@ -10,14 +10,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import watermark_history
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.sink import CdcWriter, CommitProcessor
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import from_us, iso_z
-from partfin_assets.core.watermark import PolicyError, WatermarkPolicy
-from partfin_assets.core.watermark_processor import WatermarkProcessor
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.ingest.extensions import CommitProcessor
+from partfin_assets.ingest.watermark_policy import PolicyError, WatermarkPolicy
+from partfin_assets.ingest.watermark_processor import WatermarkProcessor
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import from_us, iso_z
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 
@@ -151,7 +152,7 @@ def test_watermark_update_is_compare_and_set(catalog):
 
 
 def _concurrent_writer(home: str, writer_id: str, seed: int, checkpoints: int) -> None:
-    from partfin_assets.core.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     rng = np.random.default_rng(seed)
     # keep every snapshot so the test can read the whole watermark history

@@ -51,7 +51,7 @@ def orders_revenue_hourly(context: AssetExecutionContext) -> MaterializeResult:
 
     from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
-    from partfin_assets.core.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     start = datetime.strptime(context.partition_key, "%Y-%m-%d-%H:%M").replace(tzinfo=timezone.utc)
     lo = int(start.timestamp() * 1_000_000)

@@ -1,4 +1,4 @@
-"""The Dagster layer of partfin: thin wrappers over partfin_assets.core, generated per declared table."""
+"""The Dagster layer of partfin: thin wrappers over the plain-Python layers below it, generated per declared table."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from dagster import Definitions
 
 from partfin_assets.defs.checks.watermark_checks import build_checks, build_checks_sensor
 from partfin_assets.defs.downstream.activity import build_activity_asset
-from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_maintenance_job, build_privacy_job
 from partfin_assets.defs.finalization.sensor import build_finalization_sensor, finalized_spec
+from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_maintenance_job, build_privacy_job
 from partfin_assets.defs.platform.sync import build_sync_job, build_sync_sensor, layer_specs
 from partfin_assets.defs.tables import PartfinTable
 

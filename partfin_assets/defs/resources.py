@@ -6,8 +6,9 @@ import os
 from dagster import ConfigurableResource
 from pyiceberg.catalog import Catalog
 
-from partfin_assets.core.catalog import CatalogConfig
-from partfin_assets.sources.base import CdcSource
+from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.model.records import CdcSource
+from partfin_assets.sources.registry import make_source
 
 
 class IcebergCatalogResource(ConfigurableResource):
@@ -36,8 +37,6 @@ class CdcSourceResource(ConfigurableResource):
     subtasks: int = 2
 
     def open(self, table) -> CdcSource:
-        from partfin_assets.sources.registry import make_source
-
         return make_source(self.source or table.source, table.spec)
 
 

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 from dagster import OpExecutionContext, RetryRequested
 
-from partfin_assets.core.conflicts import CommitConflictError
-from partfin_assets.core.upsert import UpsertConflict
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.upsert import UpsertConflict
 
 CONFLICTS = (CommitConflictError, UpsertConflict)
 MAX_CONFLICT_RETRIES = 3

@@ -9,10 +9,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from dagster import AssetKey, HourlyPartitionsDefinition
+from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition
 
-from partfin_assets.core.partitions import hour_from_key
-from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.finalization.hours import hour_from_key
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 
 DEFAULT_PARTITIONS_START = "2026-01-01-00:00"
@@ -87,14 +87,12 @@ def _enabled(kind: str, kinds: tuple[str, ...], variable: str) -> bool:
 
 def sensor_default_status(kind: str):
     """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks) starts only those."""
-    from dagster import DefaultSensorStatus
 
     return DefaultSensorStatus.RUNNING if _enabled(kind, SENSOR_KINDS, "PARTFIN_SENSORS") else DefaultSensorStatus.STOPPED
 
 
 def schedule_default_status(kind: str):
     """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain; empty: none) starts only those."""
-    from dagster import DefaultScheduleStatus
 
     enabled = _enabled(kind, SCHEDULE_KINDS, "PARTFIN_SCHEDULES")
     return DefaultScheduleStatus.RUNNING if enabled else DefaultScheduleStatus.STOPPED

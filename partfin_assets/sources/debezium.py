@@ -22,16 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import US_PER_SECOND, iso_z, parse_iso
-from partfin_assets.sources.base import (
-    CDC_RECORD_SCHEMA,
-    REJECTED_RECORD_SCHEMA,
-    UTC_US,
-    VALID_OPS,
-    ChangeBatch,
-)
-from partfin_assets.sources.keys import key_json_column
+from partfin_assets.model.record_keys import key_json_column
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, VALID_OPS, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
 Normalize = Callable[[Any], Any]
 

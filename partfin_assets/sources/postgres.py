@@ -86,10 +86,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from partfin_assets.core.tablespec import TableSpec, type_to_text
-from partfin_assets.core.timeutil import to_us
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
-from partfin_assets.sources.keys import key_json_column
+from partfin_assets.model.record_keys import key_json_column
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec, type_to_text
+from partfin_assets.model.timeutil import to_us
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import parse_iso
-from partfin_assets.sources.base import CdcSource
+from partfin_assets.model.records import CdcSource
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import parse_iso
 from partfin_assets.sources.debezium import DebeziumFileSource
+from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 
 _DURATION = re.compile(r"^(\d+(?:\.\d*)?)(s|m|h|d)?$")
@@ -102,8 +103,6 @@ _POSTGRES_OPTIONS: dict[str, Callable[[str], Any]] = {
 def _postgres_source(
     argument: str, spec_text: str, table_name: str, key_columns: tuple[str, ...] | None, options: dict[str, Any]
 ) -> CdcSource:
-    from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
-
     dsn, source_table, text_options = parse_postgres_spec(argument, table_name)
     if not dsn:
         raise ValueError(f"source {spec_text!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")

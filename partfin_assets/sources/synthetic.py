@@ -25,17 +25,10 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import (
-    US_PER_HOUR,
-    US_PER_SECOND,
-    floor_hour_us,
-    from_us,
-    now_utc,
-    to_us,
-)
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
-from partfin_assets.sources.keys import key_json_column
+from partfin_assets.model.record_keys import key_json_column
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, now_utc, to_us
 
 ORDERS_SPEC = TableSpec(
     name="orders",

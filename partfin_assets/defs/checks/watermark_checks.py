@@ -21,13 +21,14 @@ from dagster import (
 )
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import summary_of, watermark_history
-from partfin_assets.core.partitions import hour_key, lag_seconds, late_after_run, late_data, watermark_of, watermark_regressions
-from partfin_assets.core.timeutil import iso_z, now_utc, to_us
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.finalization.hours import hour_key, lag_seconds
+from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
+from partfin_assets.iceberg.history import summary_of, watermark_history, watermark_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
 

@@ -7,19 +7,18 @@ run of a hour that is not final yet fails at once unless run config sets `force:
 """
 
 
-import os
-from pathlib import Path
-
 import polars as pl
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset, define_asset_job, in_process_executor
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.partitions import hour_from_key, is_finalized, not_finalized_reason, watermark_of
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.finalization.hours import hour_from_key, is_finalized, not_finalized_reason
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
+from partfin_assets.testing.faults import fail_once
 
 
 class ActivityConfig(Config):
@@ -28,19 +27,6 @@ class ActivityConfig(Config):
 
 class NotFinalized(Failure):
     pass
-
-
-def _fail_once_for_tests(table: str, partition_key: str, home: Path) -> None:
-    """Fault injection for the retry test: PARTFIN_FAIL_ONCE=<table>:<partition key> fails that run once."""
-    spec = os.environ.get("PARTFIN_FAIL_ONCE")
-    if spec != f"{table}:{partition_key}":
-        return
-    marker = home / "fail-once" / spec.replace(":", "_").replace("/", "_")
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text("failed once\n")
-    raise RuntimeError(f"injected failure for {spec} (PARTFIN_FAIL_ONCE)")
 
 
 def build_activity_asset(table: PartfinTable):
@@ -72,7 +58,7 @@ def build_activity_asset(table: PartfinTable):
                 allow_retries=False,
             )
         home = catalog.config().home
-        _fail_once_for_tests(name, partition_key, home)
+        fail_once(name, partition_key, home)
 
         rows = base.scan(
             row_filter=And(GreaterThanOrEqual("_event_time", hour), LessThan("_event_time", hour + US_PER_HOUR)),

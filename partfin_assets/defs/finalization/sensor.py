@@ -27,12 +27,13 @@ from dagster import (
 )
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.partitions import FinalizationCursor, hour_from_key, hour_key, newly_finalized, watermark_of
-from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 
 MAX_HOURS_PER_TICK = 200
 

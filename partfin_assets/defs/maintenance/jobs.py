@@ -31,15 +31,15 @@ from dagster import (
 )
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.core import compaction as compaction_core
-from partfin_assets.core import maintenance as maintenance_core
-from partfin_assets.core import privacy as privacy_core
-from partfin_assets.core.compaction import DEFAULT_TARGET_FILE_SIZE
-from partfin_assets.core.maintenance import Retention
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, schedule_default_status
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.jobs import compaction as compaction_core
+from partfin_assets.jobs import maintenance as maintenance_core
+from partfin_assets.jobs import privacy as privacy_core
+from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 
 
 def _exists(iceberg, identifier: str) -> bool:

@@ -3,7 +3,7 @@
 The CDC writer (the `sync_<table>` job) keeps reporting a materialization for every hour a
 checkpoint touched; a *manual* materialization of a partition (UI "Materialize", `dagster asset
 materialize --partition`, or a backfill: one run per partition) reads that hour again from the
-table's source and OVERWRITEs the hour in cdc.<table> (core/replay.py). By the conflict matrix
+table's source and OVERWRITEs the hour in cdc.<table> (jobs/replay.py). By the conflict matrix
 an OVERWRITE never conflicts with the writer's INTO commits, so it may run while sync runs; one
 replay per table at a time is enforced with the op's pool `partfin_replay_<table>` (limit 1 by
 `concurrency.pools.default_limit` in dagster.yaml; pools also apply to runs launched from the UI,
@@ -17,13 +17,14 @@ that the writer has not ingested yet would be appended again by the writer after
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset
 from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.core.history import summary_of
-from partfin_assets.core.partitions import checkpoint_reports, hour_from_key, not_finalized_reason, watermark_of
-from partfin_assets.core.replay import ReplayResult, replay_hour_from_source
-from partfin_assets.core.timeutil import iso_z
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.finalization.hours import hour_from_key, not_finalized_reason
+from partfin_assets.finalization.partition_metadata import checkpoint_reports
+from partfin_assets.iceberg.history import summary_of, watermark_of
+from partfin_assets.jobs.replay import ReplayResult, replay_hour_from_source
+from partfin_assets.model.timeutil import iso_z
 
 
 class ReplayConfig(Config):

@@ -28,21 +28,18 @@ from dagster import (
     sensor,
 )
 
-from partfin_assets.core.history import summary_of
-from partfin_assets.core.partitions import (
-    PartitionReport,
-    checkpoint_reports,
-    lag_seconds,
-    upsert_reports,
-    watermark_of,
-)
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.finalization.hours import lag_seconds
+from partfin_assets.finalization.partition_metadata import PartitionReport, checkpoint_reports, upsert_reports
+from partfin_assets.iceberg.history import summary_of, watermark_of
+from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
@@ -138,7 +135,6 @@ def build_sync_job(table: PartfinTable):
     @op(name=f"upsert_{name}", ins={"after": In(Nothing)}, tags={"kind": "iceberg"})
     def upsert(context: OpExecutionContext, catalog: IcebergCatalogResource) -> None:
         """Merge new CDC snapshots into base.<table>; report the base hours it changed."""
-        from partfin_assets.core.upsert import ensure_base_table, run_upsert
 
         iceberg = catalog.load()
         ensure_base_table(iceberg, table.spec)

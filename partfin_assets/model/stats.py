@@ -19,8 +19,8 @@ import numpy as np
 from fastdigest import TDigest
 from pydantic_core import to_json
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_iso, to_us
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_iso, to_us
 
 # 50 centroids keep the summary entry near 1.6 KB and the rank error far below 0.5%
 # at p1/p50/p99 (the accuracy test measures it on the data actually written).
@@ -267,3 +267,25 @@ def decode_by_hour(text: str | None) -> dict[int, HourStats]:
 
 def _canonical_order(stats: EventTimeStats) -> tuple:
     return (stats.min_us, stats.max_us, stats.count, stats.digest.to_bytes())
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    """A stats-bearing commit as the watermark policy sees it."""
+
+    snapshot_id: int | None
+    low_us: int  # its min event time, or its heartbeat time when it carried no records
+    stats: EventTimeStats  # empty for heartbeat-only commits
+
+
+def commit_stats(summary: dict[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
+    """None for commits without event-time stats (compaction, deletes, overwrites, stat-less appends)."""
+    stats = EventTimeStats.from_summary(summary, with_digest=with_digest)
+    if stats is None:
+        return None
+    if not stats.is_empty:
+        return CommitStats(snapshot_id, stats.min_us, stats)
+    heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
+    if heartbeat is None:
+        return None
+    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)

@@ -16,7 +16,6 @@ snapshot history, never by guessing.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import time
@@ -26,16 +25,17 @@ from dataclasses import dataclass
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
-from pyiceberg.io import FileIO
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import TableUpdate
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import find_commit
+from partfin_assets.iceberg.history import find_commit
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
 
 log = logging.getLogger(__name__)
+
 
 # Table properties every partfin table carries (set at creation, re-asserted by writers).
 MANAGED_TABLE_PROPERTIES = {
@@ -48,13 +48,6 @@ MANAGED_TABLE_PROPERTIES = {
     # one manifest per checkpoint would make every commit re-list them all: merge as they pile up
     "commit.manifest-merge.enabled": "true",
 }
-
-
-class JobKind(enum.StrEnum):
-    INTO = "INTO"
-    OVERWRITE = "OVERWRITE"
-    UPDATE_DELETE = "UPDATE/DELETE"
-    MERGE = "MERGE"
 
 
 class CommitRetriesExhausted(RuntimeError):
@@ -151,15 +144,6 @@ def ensure_managed_properties(catalog: Catalog, identifier: str) -> Table:
             tx.set_properties(missing)
         table = catalog.load_table(identifier)
     return table
-
-
-def delete_files(io: FileIO, paths: list[str]) -> None:
-    """Remove data files of a commit that will never land, so a failed job leaves nothing behind."""
-    for path in paths:
-        try:
-            io.delete(path)
-        except FileNotFoundError:
-            pass
 
 
 def snapshot_summary_with_commit_id(summary: dict[str, str], commit_id: str, kind: JobKind) -> dict[str, str]:

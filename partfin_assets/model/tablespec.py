@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from partfin_assets.core.summary_keys import PROP_WATERMARK_POLICY
+from partfin_assets.model.summary_keys import PROP_WATERMARK_POLICY
 
 DEFAULT_WATERMARK_POLICY = "min-of-last:3"
 

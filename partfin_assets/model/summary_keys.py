@@ -1,4 +1,10 @@
-"""Snapshot-summary keys and table properties: the contract of DESIGN §4, in one place."""
+"""Snapshot-summary keys and table properties: the contract of DESIGN §4, in one place.
+
+Every key partfin writes is named here (and documented in the README's key tables)."""
+
+from __future__ import annotations
+
+import enum
 
 # snapshot summary (every CDC checkpoint commit)
 CHECKPOINT_ID = "partfin.checkpoint-id"
@@ -19,14 +25,14 @@ EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
 REJECTED_RECORDS = "partfin.rejected-records"
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
-# the conflict layer (core/conflicts.py, DESIGN §6)
+# the conflict layer (jobs/job.py, DESIGN §6)
 JOB_ID = "partfin.job-id"  # the job that made the commit (caller-supplied, e.g. a Dagster run, or random)
 JOB_PARTITIONS = "partfin.job.partitions"  # JSON list of the partition paths a job targeted (omitted past 200)
 JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an UPDATE/DELETE or MERGE job read
-# compaction (core/compaction.py)
+# compaction (jobs/compaction.py)
 COMPACTION_FILES_BEFORE = "partfin.compaction.files-before"
 COMPACTION_FILES_AFTER = "partfin.compaction.files-after"
-# replay / backfill of an hour (core/replay.py): stats of what the replay wrote, under its own keys,
+# replay / backfill of an hour (jobs/replay.py): stats of what the replay wrote, under its own keys,
 # so that the watermark policy skips the commit (it carries no partfin.event-time.* entries)
 REPLAY_HOUR = "partfin.replay.hour"
 REPLAY_RECORDS = "partfin.replay.records"  # records the hour holds after the replay
@@ -35,7 +41,7 @@ REPLAY_ADDED_RECORDS = "partfin.replay.added-records"  # records new to the hour
 REPLAY_REMOVED_RECORDS = "partfin.replay.removed-records"  # records gone from the hour
 REPLAY_EVENT_TIME_MIN = "partfin.replay.event-time.min"
 REPLAY_EVENT_TIME_MAX = "partfin.replay.event-time.max"
-# privacy delete (core/privacy.py): never the keys themselves, only the request
+# privacy delete (jobs/privacy.py): never the keys themselves, only the request
 PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
 PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"
 
@@ -44,3 +50,11 @@ PROP_WATERMARK = "partfin.watermark"
 PROP_WATERMARK_POLICY = "partfin.watermark.policy"
 PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
+
+
+# values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)
+class JobKind(enum.StrEnum):
+    INTO = "INTO"
+    OVERWRITE = "OVERWRITE"
+    UPDATE_DELETE = "UPDATE/DELETE"
+    MERGE = "MERGE"

@@ -8,15 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import CommitStats, lineage, recent_commit_stats, summary_of, watermark_of
-from partfin_assets.core.sink import CommitContext, CommitProcessor, EventTimeAccumulator, EventTimes
-from partfin_assets.core.stats import compact_json, hour_bounds
-from partfin_assets.core.timeutil import floor_hour_us, iso_z
-from partfin_assets.core.watermark import WatermarkPolicy, advance
+from partfin_assets.iceberg.history import late_records_total, recent_commit_stats, watermark_of
+from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
+from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy, advance
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds
+from partfin_assets.model.timeutil import floor_hour_us, iso_z
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,6 @@ def late_records_by_hour(sorted_event_time_us: np.ndarray, watermark_us: int) ->
     late = sorted_event_time_us[: np.searchsorted(sorted_event_time_us, watermark_us)]
     bounds = hour_bounds(late)
     return {iso_z(floor_hour_us(late[start])): end - start for start, end in zip(bounds, bounds[1:])}
-
-
-def late_records_total(metadata: TableMetadata) -> int:
-    """Running total carried by the newest commit that recorded one (survives snapshot expiry)."""
-    for snapshot in lineage(metadata):
-        total = summary_of(snapshot).get(K.LATE_RECORDS_TOTAL)
-        if total is not None:
-            return int(total)
-    return 0
 
 
 class WatermarkProcessor(CommitProcessor):

@@ -9,9 +9,9 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.stats import EventTimeStats
-from partfin_assets.core.timeutil import parse_iso, to_us
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import CommitStats, commit_stats
+from partfin_assets.model.timeutil import parse_iso, to_us
 
 
 def lineage(metadata: TableMetadata) -> Iterator[Snapshot]:
@@ -41,28 +41,6 @@ def watermark_of(mapping: Mapping[str, str]) -> int | None:
 
 def summary_of(snapshot: Snapshot) -> dict[str, str]:
     return snapshot.summary.additional_properties if snapshot.summary else {}
-
-
-@dataclass(frozen=True)
-class CommitStats:
-    """A stats-bearing commit as the watermark policy sees it."""
-
-    snapshot_id: int | None
-    low_us: int  # its min event time, or its heartbeat time when it carried no records
-    stats: EventTimeStats  # empty for heartbeat-only commits
-
-
-def commit_stats(summary: dict[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
-    """None for commits without event-time stats (compaction, deletes, overwrites, stat-less appends)."""
-    stats = EventTimeStats.from_summary(summary, with_digest=with_digest)
-    if stats is None:
-        return None
-    if not stats.is_empty:
-        return CommitStats(snapshot_id, stats.min_us, stats)
-    heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
-    if heartbeat is None:
-        return None
-    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)
 
 
 def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False) -> list[CommitStats]:
@@ -114,3 +92,48 @@ def watermark_history(metadata: TableMetadata) -> list[tuple[int, int]]:
             out.append((snapshot.snapshot_id, watermark))
     out.reverse()
     return out
+
+
+def snapshots_since(
+    metadata: TableMetadata, start_snapshot_id: int | None, start_sequence_number: int | None = None
+) -> list[Snapshot] | None:
+    """Snapshots of main after `start_snapshot_id` up to the head, newest first.
+
+    Follows parent links. Where expiry broke the chain (the start snapshot itself, or snapshots
+    in between, expired), the sequence number the job recorded at its start still decides: each
+    commit on main takes the next sequence number, so the retained snapshots numbered after it
+    are all of them exactly when their numbers have no gap up to the head. Otherwise None: what
+    changed can no longer be known, and callers must assume everything did.
+    """
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    out: list[Snapshot] = []
+    head = current = metadata.current_snapshot()
+    while current is not None:
+        if current.snapshot_id == start_snapshot_id:
+            return out
+        out.append(current)
+        parent = current.parent_snapshot_id
+        if parent is not None and parent == start_snapshot_id:
+            return out
+        if parent is None:
+            if start_snapshot_id is None:
+                return out
+            break
+        current = by_id.get(parent)
+    if start_snapshot_id is None and head is None:
+        return out
+    if start_sequence_number is not None and head is not None and head.sequence_number:
+        after = sorted((s for s in metadata.snapshots if s.sequence_number > start_sequence_number),
+                       key=lambda s: s.sequence_number, reverse=True)
+        if [s.sequence_number for s in after] == list(range(head.sequence_number, start_sequence_number, -1)):
+            return after
+    return None
+
+
+def late_records_total(metadata: TableMetadata) -> int:
+    """Running total carried by the newest commit that recorded one (survives snapshot expiry)."""
+    for snapshot in lineage(metadata):
+        total = summary_of(snapshot).get(K.LATE_RECORDS_TOTAL)
+        if total is not None:
+            return int(total)
+    return 0

@@ -20,7 +20,7 @@ conflict in a partition re-runs the step from a fresh snapshot, bounded).
 
 Summaries record the request id and counts, never the keys. Older snapshots
 still reference the old files until snapshot expiry and orphan-file removal
-(core/maintenance.py) delete them; a hard erase runs those after the delete.
+(jobs/maintenance.py) delete them; a hard erase runs those after the delete.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import And, BooleanExpression, In
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import load_existing_table
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import CommitConflictError, Hook, Job, read_files
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.sources.keys import canonical_key
+from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.files import read_files
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.job import Hook, Job
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.record_keys import canonical_key
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
 
 log = logging.getLogger(__name__)
+
 
 MaskFn = Callable[[pa.Table], pa.Array]  # True for rows to delete
 

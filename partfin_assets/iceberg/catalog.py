@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.table import Table
 
+from partfin_assets.model.errors import PartfinConfigError
+
 CATALOG_NAME = "partfin"
-
-
-class PartfinConfigError(RuntimeError):
-    """A configuration problem the user must fix; the message names what and how."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,6 @@ class CatalogConfig:
                     f"cannot load PyIceberg catalog {self.named!r} set by PARTFIN_CATALOG: {one_line(exc)} "
                     f"(configure it in ~/.pyiceberg.yaml or PYICEBERG_CATALOG__{self.named.upper()}__* variables)"
                 ) from exc
-        from pyiceberg.catalog.sql import SqlCatalog
 
         if not self.uri:
             self.home.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The Iceberg sink: writer subtasks, Accumulators, CommitProcessors, one commit per checkpoint.
+"""The CDC writer: writer subtasks, Accumulators, CommitProcessors, one Iceberg commit per checkpoint.
 
 A checkpoint is one Iceberg commit on cdc.<table> that holds the data files of
 every subtask, the merged accumulator results and processor entries in the
@@ -11,197 +11,36 @@ that already landed is never committed twice.
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-import signal
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import TableAlreadyExistsError
 from pyiceberg.io.pyarrow import _dataframe_to_data_files
 from pyiceberg.manifest import DataFile
-from pyiceberg.partitioning import PartitionField, PartitionSpec
-from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.transforms import HourTransform
-from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import ensure_namespaces
-from partfin_assets.core.commit import (
-    MANAGED_TABLE_PROPERTIES,
-    JobKind,
-    commit_with_retry,
-    delete_files,
-    ensure_managed_properties,
-    new_transaction,
-    snapshot_summary_with_commit_id,
-)
-from partfin_assets.core.history import last_writer_position, lineage, summary_of
-from partfin_assets.core.maintenance import Retention, expire_snapshots
-from partfin_assets.core.stats import EventTimeProfile, EventTimeStats
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import iso_z, parse_iso, to_us
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch, CdcSource
-
-log = logging.getLogger(__name__)
-
-CDC_SCHEMA = Schema(
-    NestedField(1, "key", StringType(), required=True),
-    NestedField(2, "op", StringType(), required=True),
-    NestedField(3, "event_time", TimestamptzType(), required=True),
-    NestedField(4, "source_seq", LongType(), required=True),
-    NestedField(5, "payload", StringType(), required=False),
-)
-CDC_PARTITION_SPEC = PartitionSpec(
-    PartitionField(source_id=3, field_id=1000, transform=HourTransform(), name="event_time_hour")
-)
-REJECTED_SCHEMA = Schema(
-    NestedField(1, "writer_id", StringType(), required=True),
-    NestedField(2, "checkpoint_id", LongType(), required=True),
-    NestedField(3, "source_seq", LongType(), required=True),
-    NestedField(4, "raw", StringType(), required=True),
-    NestedField(5, "reason", StringType(), required=True),
-)
-
-
-# --------------------------------------------------------------------------- extension points
-
-
-class Accumulator(ABC):
-    """Per-subtask metric over the records between two checkpoints, merged at commit time.
-
-    `merge` must not depend on the order of the partials: subtasks finish in any order.
-    """
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def add(self, records: pa.Table) -> None: ...
-
-    @abstractmethod
-    def partial(self) -> Any: ...
-
-    @classmethod
-    @abstractmethod
-    def merge(cls, partials: Sequence[Any]) -> Any: ...
-
-    @classmethod
-    def summary(cls, merged: Any) -> dict[str, str]:
-        return {}
-
-
-@dataclass(frozen=True)
-class EventTimes:
-    profile: EventTimeProfile
-    event_time_us: np.ndarray  # ascending; kept for exact late-record counts against the watermark at commit time
-    summary: dict[str, str]  # encoded with the rest, while the subtask's files are written
-
-    @property
-    def stats(self) -> EventTimeStats:
-        return self.profile.stats
-
-
-class EventTimeAccumulator(Accumulator):
-    """The DESIGN §4 event-time stats of a checkpoint, and the same per hour (partfin.event-time.by-hour)."""
-
-    name = "event-time"
-
-    def __init__(self) -> None:
-        self._chunks: list[np.ndarray] = []
-
-    def add(self, records: pa.Table) -> None:
-        self._chunks.append(records.column("event_time").to_numpy().view(np.int64))  # no copy for one chunk
-
-    def partial(self) -> EventTimes:
-        return _event_times(self._chunks)
-
-    @classmethod
-    def merge(cls, partials: Sequence[EventTimes]) -> EventTimes:
-        if len(partials) == 1:
-            return partials[0]
-        # rebuilt from all values: exact per-hour figures, and one result however the keys were split
-        return _event_times([p.event_time_us for p in partials])
-
-    @classmethod
-    def summary(cls, merged: EventTimes) -> dict[str, str]:
-        return merged.summary
-
-
-def _event_times(chunks: Sequence[np.ndarray]) -> EventTimes:
-    times = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)  # a copy of its own
-    times.sort()
-    profile = EventTimeProfile.of_sorted(times)
-    return EventTimes(profile, times, profile.to_summary())
-
-
-@dataclass
-class CommitContext:
-    """What a CommitProcessor sees; rebuilt on fresh table metadata for every commit attempt."""
-
-    table: Table
-    table_name: str
-    checkpoint_id: int
-    heartbeat_us: int | None
-    accumulated: dict[str, Any]
-    summary: dict[str, str] = field(default_factory=dict)  # add snapshot-summary entries here
-    properties: dict[str, str] = field(default_factory=dict)  # add table-property updates here
-
-
-class CommitProcessor:
-    """Custom logic around each checkpoint commit.
-
-    pre_commit runs on every attempt, against the metadata that attempt will be validated
-    against, and may add summary entries and property updates to the same commit.
-    post_commit runs once, after the commit landed.
-    """
-
-    # names of the accumulators whose merged results pre_commit reads
-    required_accumulators: ClassVar[tuple[str, ...]] = ()
-
-    def pre_commit(self, ctx: CommitContext) -> None:
-        pass
-
-    def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
-        pass
-
-
-# --------------------------------------------------------------------------- tables
-
-
-def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
-    ensure_namespaces(catalog, "cdc")
-    _create_if_absent(
-        catalog,
-        spec.cdc_identifier,
-        CDC_SCHEMA,
-        CDC_PARTITION_SPEC,
-        {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
-    )
-    _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
-    return ensure_managed_properties(catalog, spec.cdc_identifier)
-
-
-def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
-    if catalog.table_exists(identifier):
-        return
-    try:
-        catalog.create_table(identifier, schema=schema, partition_spec=partition_spec, properties=properties)
-    except TableAlreadyExistsError:
-        pass  # another writer created it first
-
-
-# --------------------------------------------------------------------------- the writer
+from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.expiry import Retention, expire_snapshots
+from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.history import last_writer_position, lineage, summary_of
+from partfin_assets.iceberg.tables import ensure_cdc_tables
+from partfin_assets.ingest.event_time import EventTimeAccumulator
+from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy
+from partfin_assets.ingest.watermark_processor import WatermarkProcessor
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
+from partfin_assets.model.stats import EventTimeStats
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
+from partfin_assets.testing.faults import crash_point
 
 
 @dataclass(frozen=True)
@@ -229,8 +68,6 @@ class CdcWriter:
         retention: Retention | None = None,
         heartbeat_interval_s: float = 60.0,
     ) -> None:
-        from partfin_assets.core.watermark_processor import WatermarkProcessor  # deferred: it builds on this module
-
         if subtasks < 1:
             raise ValueError(f"subtasks must be at least 1, got {subtasks}")
         self.catalog = catalog
@@ -422,8 +259,6 @@ class CdcWriter:
         return None
 
     def _policy_lookback(self) -> int:
-        from partfin_assets.core.watermark import WatermarkPolicy
-
         return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).lookback
 
     # ---- running a source
@@ -466,14 +301,3 @@ def route_by_key(records: pa.Table, subtasks: int) -> list[pa.Table]:
     assert isinstance(frame, pl.DataFrame)
     route = frame.get_column("key").hash(seed=0) % subtasks
     return [frame.filter(route == i).to_arrow().cast(records.schema) for i in range(subtasks)]
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process at the n-th pass."""
-    spec = os.environ.get("PARTFIN_CRASH_AT")
-    if not spec or not spec.startswith(name + ":"):
-        return
-    remaining = int(spec.split(":", 1)[1]) - 1
-    if remaining <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    os.environ["PARTFIN_CRASH_AT"] = f"{name}:{remaining}"

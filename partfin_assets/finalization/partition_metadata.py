@@ -16,7 +16,6 @@ take and return epoch microseconds as everywhere else in core.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,44 +23,15 @@ from typing import Any
 
 from fastdigest import TDigest
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import lineage, summary_of, watermark_of
-from partfin_assets.core.stats import BY_HOUR_CENTROIDS, HourStats, decode_by_hour
-from partfin_assets.core.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
+from partfin_assets.finalization.hours import hour_key, is_finalized
+from partfin_assets.finalization.late_data import late_by_hour
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import BY_HOUR_CENTROIDS, HourStats, decode_by_hour
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_iso, to_us
 
 # PyIceberg's per-partition summary entries of cdc.<table> (hidden partition `event_time_hour`)
 PARTITION_SUMMARY_PREFIX = "partitions.event_time_hour="
-HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's HourlyPartitionsDefinition key format
-
-
-# --------------------------------------------------------------------------- hour keys
-
-
-def hour_key(hour_us: int) -> str:
-    return from_us(floor_hour_us(hour_us)).strftime(HOUR_KEY_FORMAT)
-
-
-def hour_from_key(key: str) -> int:
-    return to_us(datetime.strptime(key, HOUR_KEY_FORMAT).replace(tzinfo=UTC))
-
-
-def is_finalized(hour_us: int, watermark_us: int | None) -> bool:
-    """DESIGN §1: hour H is finalized when H + 1h <= W."""
-    return watermark_us is not None and floor_hour_us(hour_us) + US_PER_HOUR <= watermark_us
-
-
-def not_finalized_reason(hour_us: int, watermark_us: int | None, identifier: str) -> str | None:
-    """Why hour H of `identifier` may not be used yet, naming the hour and the watermark; None once final."""
-    if is_finalized(hour_us, watermark_us):
-        return None
-    current = iso_z(watermark_us) if watermark_us is not None else "not set"
-    return (
-        f"hour {iso_z(floor_hour_us(hour_us))} of {identifier} is not finalized: its watermark is {current} "
-        f"(needs >= {iso_z(floor_hour_us(hour_us) + US_PER_HOUR)})"
-    )
-
-
-# --------------------------------------------------------------------------- per-hour stats
 
 
 def partition_counts(summary: Mapping[str, str]) -> dict[int, int]:
@@ -77,13 +47,6 @@ def partition_counts(summary: Mapping[str, str]) -> dict[int, int]:
         fields = dict(item.split("=", 1) for item in value.split(",") if "=" in item)
         out[hour_us] = int(fields.get("added-records", "0"))
     return out
-
-
-def late_by_hour(summary: Mapping[str, str]) -> dict[int, int]:
-    text = summary.get(K.LATE_RECORDS_BY_HOUR)
-    if not text:
-        return {}
-    return {to_us(parse_iso(hour)): int(count) for hour, count in json.loads(text).items()}
 
 
 def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
@@ -116,7 +79,7 @@ def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
     return out
 
 
-# Job kinds (core/commit.py JobKind values, in `partfin.job-kind`) of cdc commits that rewrite
+# Job kinds (model/summary_keys.py JobKind values, in `partfin.job-kind`) of cdc commits that rewrite
 # records already there (compaction) or remove some (privacy delete): no new records in any hour.
 REWRITE_JOB_KINDS = frozenset({"MERGE", "UPDATE/DELETE"})
 OVERWRITE_JOB_KIND = "OVERWRITE"
@@ -260,100 +223,3 @@ def upsert_reports(
         stats = merged.get(hour, HourStats(hour, 0))
         out.append(PartitionReport(table, hour, stats, base_snapshot_id, watermark_us, committed_at_us, dict(extra or {})))
     return out
-
-
-# --------------------------------------------------------------------------- finalization
-
-
-@dataclass(frozen=True)
-class FinalizationCursor:
-    """The finalization sensor's cursor: the first hour not yet requested."""
-
-    next_hour_us: int
-
-    def encode(self) -> str:
-        return json.dumps({"next_hour": iso_z(self.next_hour_us)})
-
-    @classmethod
-    def decode(cls, text: str | None) -> FinalizationCursor | None:
-        if not text:
-            return None
-        return cls(to_us(parse_iso(json.loads(text)["next_hour"])))
-
-
-def newly_finalized(next_hour_us: int, watermark_us: int | None, limit: int | None = None) -> list[int]:
-    """Hours in [next_hour, watermark) in order (each finalized: H + 1h <= W), at most `limit`."""
-    if watermark_us is None:
-        return []
-    first = floor_hour_us(next_hour_us)
-    last = floor_hour_us(watermark_us) - US_PER_HOUR  # W is hour aligned; floor for safety
-    if last < first:
-        return []
-    count = (last - first) // US_PER_HOUR + 1
-    if limit is not None:
-        count = min(count, limit)
-    return [first + i * US_PER_HOUR for i in range(count)]
-
-
-# --------------------------------------------------------------------------- history-derived facts
-
-
-@dataclass(frozen=True)
-class LateCommit:
-    snapshot_id: int
-    sequence_number: int | None
-    committed_at_us: int
-    records: int
-
-
-@dataclass(frozen=True)
-class LateHour:
-    hour_us: int
-    records: int
-    commits: tuple[LateCommit, ...]
-
-
-def late_data(metadata) -> dict[int, LateHour]:
-    """Late records per hour over the retained CDC snapshots, with the commits that brought them."""
-    found: dict[int, list[LateCommit]] = {}
-    for snapshot in lineage(metadata):
-        for hour, count in late_by_hour(summary_of(snapshot)).items():
-            found.setdefault(hour, []).append(
-                LateCommit(snapshot.snapshot_id, snapshot.sequence_number, snapshot.timestamp_ms * 1000, count)
-            )
-    return {
-        hour: LateHour(hour, sum(c.records for c in commits), tuple(sorted(commits, key=lambda c: c.committed_at_us)))
-        for hour, commits in sorted(found.items())
-    }
-
-
-@dataclass(frozen=True)
-class WatermarkStep:
-    snapshot_id: int
-    watermark_us: int
-
-
-def watermark_regressions(history: Sequence[tuple[int, int]]) -> list[tuple[WatermarkStep, WatermarkStep]]:
-    """Pairs (earlier, later) of consecutive recorded watermarks where the later one is smaller."""
-    steps = [WatermarkStep(s, w) for s, w in history]
-    return [(a, b) for a, b in zip(steps, steps[1:]) if b.watermark_us < a.watermark_us]
-
-
-def late_after_run(late: Mapping[int, LateHour], hour_us: int, ran_with_sequence: int | None, ran_at_us: int) -> list[LateCommit]:
-    """Late commits into `hour` that the downstream run of that hour did not see.
-
-    A run that read base merged up to CDC sequence number S saw every commit with
-    sequence <= S; without sequence numbers, the run's start time decides.
-    """
-    entry = late.get(hour_us)
-    if entry is None:
-        return []
-    if ran_with_sequence is not None:
-        return [c for c in entry.commits if c.sequence_number is not None and c.sequence_number > ran_with_sequence]
-    return [c for c in entry.commits if c.committed_at_us > ran_at_us]
-
-
-def lag_seconds(watermark_us: int | None, now_us: int) -> float | None:
-    if watermark_us is None:
-        return None
-    return round((now_us - watermark_us) / US_PER_SECOND, 3)

@@ -8,10 +8,9 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.history import lineage, summary_of
-from partfin_assets.core.timeutil import HOUR, iso_z, parse_iso
-from partfin_assets.core.watermark_processor import late_records_total
+from partfin_assets.iceberg.history import late_records_total, lineage, summary_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import HOUR, iso_z, parse_iso
 
 
 @dataclass(frozen=True)

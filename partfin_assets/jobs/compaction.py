@@ -18,17 +18,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.manifest import DataFile
 from pyiceberg.transforms import HourTransform
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
-from partfin_assets.core.history import watermark_of
+from partfin_assets.iceberg.files import hour_partition, live_files, read_files
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.jobs.job import Hook, Job
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.timeutil import to_us
 
 log = logging.getLogger(__name__)
+
 
 DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 
@@ -74,9 +78,6 @@ def _hour_of_partition(table, partition: str) -> int | None:
     spec = table.metadata.spec()
     if len(spec.fields) != 1 or not isinstance(spec.fields[0].transform, HourTransform):
         return None
-    from datetime import UTC, datetime
-
-    from partfin_assets.core.timeutil import to_us
 
     text = partition.split("=", 1)[1]
     return to_us(datetime.strptime(text, "%Y-%m-%d-%H").replace(tzinfo=UTC))

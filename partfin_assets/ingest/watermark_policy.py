@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partfin_assets.core.history import CommitStats
-from partfin_assets.core.stats import EventTimeStats
-from partfin_assets.core.tablespec import DEFAULT_WATERMARK_POLICY
-from partfin_assets.core.timeutil import floor_hour_us
+from partfin_assets.model.stats import CommitStats, EventTimeStats
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
+from partfin_assets.model.timeutil import floor_hour_us
 
 
 class PolicyError(ValueError):

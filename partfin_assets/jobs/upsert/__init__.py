@@ -10,7 +10,7 @@ One run:
    every live CDC file is re-merged, which is correct because the merge is
    idempotent.
 2. **Decode**: keys and payloads are decoded into the declared typed columns
-   (core/payload.py). Any change that does not fit aborts the run before
+   (jobs/upsert/payload.py). Any change that does not fit aborts the run before
    anything is written.
 3. **Merge** (polars, vectorized): the changes are reduced to one winner per
    primary key by (event time, source position), then joined with the rows of
@@ -45,71 +45,42 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import CommitFailedException, TableAlreadyExistsError
-from pyiceberg.expressions import AlwaysTrue, BooleanExpression
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
 from pyiceberg.manifest import DataFile, ManifestContent
-from pyiceberg.partitioning import PartitionField, PartitionSpec
-from pyiceberg.schema import Schema
 from pyiceberg.table import FileScanTask, Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.transforms import BucketTransform
-from pyiceberg.types import (
-    BinaryType,
-    BooleanType,
-    DateType,
-    DecimalType,
-    DoubleType,
-    FloatType,
-    IcebergType,
-    IntegerType,
-    LongType,
-    NestedField,
-    StringType,
-    TimestampType,
-    TimestamptzType,
-    TimeType,
-)
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.catalog import ensure_namespaces, load_existing_table
-from partfin_assets.core.commit import (
-    MANAGED_TABLE_PROPERTIES,
-    JobKind,
-    commit_with_retry,
-    delete_files,
-    new_transaction,
-    snapshot_summary_with_commit_id,
-)
-from partfin_assets.core.conflicts import find_conflict, partition_path, partition_path_of_values
-from partfin_assets.core.history import summary_of
-from partfin_assets.core.payload import UpsertPayloadError, decode_columns
-from partfin_assets.core.sink import crash_point
-from partfin_assets.core.stats import compact_json
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import US_PER_HOUR, iso_z, parse_iso, to_us
+from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.files import delete_files, partition_path, partition_path_of_values
+from partfin_assets.iceberg.history import summary_of
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, SOURCE_SEQ, base_columns, ensure_base_table
+from partfin_assets.jobs.conflicts import find_conflict
+from partfin_assets.jobs.upsert.payload import UpsertPayloadError, decode_columns
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import compact_json
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import US_PER_HOUR, iso_z, parse_iso, to_us
+from partfin_assets.testing.faults import crash_point
 
 log = logging.getLogger(__name__)
+
 
 __all__ = [
     "UpsertPayloadError",
     "UpsertResult",
     "UpsertConflict",
-    "ensure_base_table",
-    "read_base",
     "run_upsert",
 ]
 
-# Metadata columns of base.<table>.
-EVENT_TIME = "_event_time"  # event time of the change that wrote the row (its hour is the row's base partition)
-SOURCE_SEQ = "_source_seq"  # its source position: breaks event-time ties
-DELETED = "_deleted"  # tombstone: the winning change was a delete
-META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED)
 
 MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> merged up to
-PROP_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
-DEFAULT_BUCKETS = 16
+
 
 # Snapshot-summary entries of an upsert commit (beyond DESIGN §4; documented in the README).
 SUMMARY_CDC_SNAPSHOTS = "partfin.upsert.cdc-snapshots"
@@ -193,114 +164,6 @@ class UpsertResult:
             f"  hours touched: {hours}",
         ]
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the base table
-
-
-def _iceberg_type(data_type: pa.DataType) -> IcebergType:
-    if pa.types.is_boolean(data_type):
-        return BooleanType()
-    if pa.types.is_int32(data_type):
-        return IntegerType()
-    if pa.types.is_int64(data_type):
-        return LongType()
-    if pa.types.is_float32(data_type):
-        return FloatType()
-    if pa.types.is_float64(data_type):
-        return DoubleType()
-    if pa.types.is_string(data_type):
-        return StringType()
-    if pa.types.is_binary(data_type):
-        return BinaryType()
-    if pa.types.is_date32(data_type):
-        return DateType()
-    if pa.types.is_time64(data_type):
-        return TimeType()
-    if pa.types.is_timestamp(data_type):
-        return TimestamptzType() if data_type.tz else TimestampType()
-    if pa.types.is_decimal(data_type):
-        return DecimalType(data_type.precision, data_type.scale)
-    raise TypeError(f"column type {data_type} has no Iceberg mapping")
-
-
-def _declared_columns(spec: TableSpec) -> dict[str, pa.DataType]:
-    if not spec.columns:
-        raise ValueError(f"table {spec.name!r} declares no columns: the base table needs typed columns")
-    for name in spec.columns:
-        if name in META_COLUMNS or name.startswith("__"):
-            raise ValueError(f"table {spec.name!r}: column name {name!r} is reserved for base-table metadata")
-    return dict(spec.columns)
-
-
-def base_schema(spec: TableSpec) -> Schema:
-    columns = _declared_columns(spec)
-    fields = [
-        NestedField(i, name, _iceberg_type(t), required=name in spec.primary_key)
-        for i, (name, t) in enumerate(columns.items(), start=1)
-    ]
-    n = len(fields)
-    fields += [
-        NestedField(n + 1, EVENT_TIME, TimestamptzType(), required=True),
-        NestedField(n + 2, SOURCE_SEQ, LongType(), required=True),
-        NestedField(n + 3, DELETED, BooleanType(), required=True),
-    ]
-    ids = [f.field_id for f in fields if f.name in spec.primary_key]
-    return Schema(*fields, identifier_field_ids=ids)
-
-
-_BUCKETABLE = (IntegerType, LongType, DecimalType, DateType, TimeType, TimestampType, TimestamptzType, StringType, BinaryType)
-
-
-def base_partition_spec(spec: TableSpec, schema: Schema, buckets: int) -> PartitionSpec:
-    """bucket(N, first bucketable primary-key column); unpartitioned if no key column can be bucketed."""
-    for name in spec.primary_key:
-        nested = schema.find_field(name)
-        if isinstance(nested.field_type, _BUCKETABLE):
-            return PartitionSpec(
-                PartitionField(source_id=nested.field_id, field_id=1000, transform=BucketTransform(buckets), name=f"{name}_bucket")
-            )
-    return PartitionSpec()
-
-
-def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None = None) -> Table:
-    """Create base.<name> from the declaration if it does not exist; return it."""
-    identifier = spec.base_identifier
-    if catalog.table_exists(identifier):
-        return catalog.load_table(identifier)
-    buckets = buckets or DEFAULT_BUCKETS
-    if buckets < 1:
-        raise ValueError(f"bucket count must be at least 1, got {buckets}")
-    ensure_namespaces(catalog, "base")
-    schema = base_schema(spec)
-    properties = {**MANAGED_TABLE_PROPERTIES, PROP_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}
-    try:
-        catalog.create_table(identifier, schema=schema, partition_spec=base_partition_spec(spec, schema, buckets), properties=properties)
-    except TableAlreadyExistsError:
-        pass  # a concurrent run created it
-    return catalog.load_table(identifier)
-
-
-def read_base(
-    catalog: Catalog,
-    name: str,
-    *,
-    include_deleted: bool = False,
-    row_filter: str | BooleanExpression = AlwaysTrue(),
-    snapshot_id: int | None = None,
-) -> pa.Table:
-    """The current rows of base.<name> (tombstones and the `_deleted` column hidden unless include_deleted).
-
-    `row_filter` is a PyIceberg filter, e.g. on `_event_time` for one hour.
-    """
-    table = load_existing_table(catalog, f"base.{name}", f"run `partfin upsert --table {name}` first")
-    data = table.scan(row_filter=row_filter, snapshot_id=snapshot_id).to_arrow()
-    if include_deleted:
-        return data
-    return data.filter(pc.invert(data.column(DELETED))).drop_columns([DELETED])
-
-
-# --------------------------------------------------------------------------- plan
 
 
 @dataclass
@@ -429,7 +292,7 @@ def _read_files(metadata: TableMetadata, io, files: Iterable[DataFile]) -> pa.Ta
 
 def _decode_changes(spec: TableSpec, raw: pa.Table) -> pl.DataFrame:
     """CDC rows -> typed change rows: declared columns + _event_time, _source_seq, _deleted (not yet deduplicated)."""
-    columns = _declared_columns(spec)
+    columns = base_columns(spec)
     pk = list(spec.primary_key)
     frame = pl.from_arrow(raw.select(["key", "op", "event_time", "source_seq", "payload"]))
     assert isinstance(frame, pl.DataFrame)
@@ -521,7 +384,7 @@ def _base_files(plan: _Plan) -> list[tuple[DataFile, int | None]]:
 def _merge(plan: _Plan, winners: pl.DataFrame) -> _Merge:
     spec = plan.spec
     pk = list(spec.primary_key)
-    columns = _declared_columns(spec)
+    columns = base_columns(spec)
     first_pk = pk[0] if plan.buckets is not None else None
     base_partition_field = plan.base.spec().fields[0] if plan.buckets is not None else None
     if base_partition_field is not None:
@@ -645,7 +508,6 @@ def _run_once(catalog: Catalog, spec: TableSpec, crash_hook: CrashHook | None, a
     changes = _decode_changes(spec, raw)
     merge = _merge(plan, _winners(spec, changes))
     _crash("after-read", crash_hook)
-
 
     summary = {
         K.PROP_SOURCE_TABLE: spec.cdc_identifier,

@@ -39,14 +39,14 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import Hook, Job, hour_partition, live_files, read_files
-from partfin_assets.core.history import watermark_of
-from partfin_assets.core.stats import EventTimeProfile, compact_json, encode_by_hour
-from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
-from partfin_assets.core.watermark_processor import late_records_total
-from partfin_assets.sources.base import CDC_RECORD_SCHEMA, CdcSource
+from partfin_assets.iceberg.files import hour_partition, live_files, read_files
+from partfin_assets.iceberg.history import late_records_total, watermark_of
+from partfin_assets.jobs.job import Hook, Job
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, CdcSource
+from partfin_assets.model.stats import EventTimeProfile, compact_json, encode_by_hour
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 
 log = logging.getLogger(__name__)
 

@@ -1,89 +1,30 @@
-"""Table maintenance: snapshot expiry that keeps what the watermark policy and resumption need.
+"""Table maintenance jobs: snapshot expiry on demand, and orphan-file removal.
 
-Commit cost in PyIceberg grows with the snapshots kept in table metadata, so a
-streaming writer expires old snapshots as it goes. Never expired: the newest
-`keep_last` snapshots of main, the last `lookback` stats-bearing commits (the
-policy's window), the newest checkpoint of every writer (its resume position),
-and anything a branch or tag points at (the upsert tags the CDC snapshot it
-merged).
+Expiry keeps what the watermark policy and resumption need (iceberg/expiry.py; the writer also
+expires as it goes). Orphan removal deletes files under a table's location that no retained
+snapshot or metadata file references, and only those older than a safety age.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
 
-from pyiceberg.exceptions import CommitFailedException
+from pyarrow import fs as pafs
 from pyiceberg.table import Table
-from pyiceberg.table.metadata import TableMetadata
 
-from partfin_assets.core import summary_keys as K
-from partfin_assets.core.commit import delete_files
-from partfin_assets.core.history import commit_stats, lineage, summary_of
+from partfin_assets.iceberg.expiry import Retention, expire_snapshots
+from partfin_assets.iceberg.files import delete_files
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy
+from partfin_assets.model import summary_keys as K
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Retention:
-    keep_last: int = 10  # newest snapshots of main always kept
-    slack: int = 10  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
-
-    def __post_init__(self) -> None:
-        if self.keep_last < 1 or self.slack < 0:
-            raise ValueError(f"retention needs keep_last >= 1 and slack >= 0, got {self}")
-
-
-def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, lookback: int) -> set[int]:
-    keep: set[int] = {ref.snapshot_id for ref in metadata.refs.values()}
-    stats_seen = 0
-    writers_seen: set[str] = set()
-    for position, snapshot in enumerate(lineage(metadata)):
-        summary = summary_of(snapshot)
-        if position < keep_last:
-            keep.add(snapshot.snapshot_id)
-        if stats_seen < lookback and commit_stats(summary) is not None:
-            stats_seen += 1
-            keep.add(snapshot.snapshot_id)
-        writer = summary.get(K.WRITER_ID)
-        if writer is not None and writer not in writers_seen:
-            writers_seen.add(writer)
-            keep.add(snapshot.snapshot_id)
-    return keep
-
-
-def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
-    """Expire what retention allows once enough piled up; returns how many snapshots were expired.
-
-    `table` is the caller's freshly committed view of the table.
-    """
-    snapshots = table.metadata.snapshots
-    if len(snapshots) <= retention.keep_last + retention.slack:
-        return 0
-    keep = protected_snapshot_ids(table.metadata, retention.keep_last, lookback)
-    expired = [s for s in snapshots if s.snapshot_id not in keep]
-    if not expired:
-        return 0
-    try:
-        # Removing old snapshot ids commutes with any concurrent commit (those only add newer
-        # snapshots), so this metadata-only commit needs no retry loop: a lost race just
-        # leaves expiry to the next checkpoint.
-        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
-    except CommitFailedException:
-        log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
-        return 0
-    # A manifest list belongs to exactly one snapshot: gone with it.
-    delete_files(table.io, [s.manifest_list for s in expired])
-    return len(expired)
-
-
-# --------------------------------------------------------------------------- standalone maintenance jobs
-
-
 def policy_lookback(table: Table) -> int:
     """X of the table's watermark policy (1 for tables without one, e.g. base.<table>)."""
-    from partfin_assets.core.watermark import WatermarkPolicy
-
     if K.PROP_WATERMARK_POLICY not in table.properties:
         return 1
     return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).lookback
@@ -98,7 +39,6 @@ def expire_table_snapshots(catalog, identifier: str, retention: Retention | None
 
 def _normalize(path: str) -> str:
     """A comparable form of a file location (`file:///x`, `/x` and `file:/x` all give `/x`)."""
-    from urllib.parse import unquote, urlparse
 
     parsed = urlparse(path)
     if parsed.scheme in ("", "file"):
@@ -140,7 +80,6 @@ class StoredFile:
 
 def list_table_files(location: str) -> list[StoredFile]:
     """Every file under a table location (any pyarrow filesystem: local, S3, GCS, HDFS...)."""
-    from pyarrow import fs as pafs
 
     filesystem, root = pafs.FileSystem.from_uri(location)
     try:
@@ -182,13 +121,12 @@ def remove_orphan_files(
     (its files exist before its commit references them). Files are listed first and the
     metadata is loaded afterwards, so a commit landing during the scan only adds references.
     """
-    import time as _time
 
     table = catalog.load_table(identifier)
     files = list_table_files(table.metadata.location)
     table = catalog.load_table(identifier)  # after listing: anything committed meanwhile is referenced
     referenced = referenced_files(table)
-    now_s = _time.time() if now_s is None else now_s
+    now_s = time.time() if now_s is None else now_s
     report = OrphanReport(identifier, len(files), len(referenced), [], [], dry_run)
     for stored in files:
         if stored.path in referenced:

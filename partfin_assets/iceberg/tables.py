@@ -1,0 +1,193 @@
+"""partfin's tables (DESIGN §4): the Iceberg schema, partitioning and creation of each.
+
+- `cdc.<table>`: the append-only change ledger (the CDC record schema), hidden partitioning
+  `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason.
+- `base.<table>`: the current state: the declared typed columns plus `_event_time`,
+  `_source_seq` and `_deleted` (tombstone), partitioned `bucket(N, first primary-key column)`.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import TableAlreadyExistsError
+from pyiceberg.expressions import AlwaysTrue, BooleanExpression
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+from pyiceberg.transforms import BucketTransform, HourTransform
+from pyiceberg.types import (
+    BinaryType,
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IcebergType,
+    IntegerType,
+    LongType,
+    NestedField,
+    StringType,
+    TimestampType,
+    TimestamptzType,
+    TimeType,
+)
+
+from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
+from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import TableSpec
+
+CDC_SCHEMA = Schema(
+    NestedField(1, "key", StringType(), required=True),
+    NestedField(2, "op", StringType(), required=True),
+    NestedField(3, "event_time", TimestamptzType(), required=True),
+    NestedField(4, "source_seq", LongType(), required=True),
+    NestedField(5, "payload", StringType(), required=False),
+)
+CDC_PARTITION_SPEC = PartitionSpec(
+    PartitionField(source_id=3, field_id=1000, transform=HourTransform(), name="event_time_hour")
+)
+REJECTED_SCHEMA = Schema(
+    NestedField(1, "writer_id", StringType(), required=True),
+    NestedField(2, "checkpoint_id", LongType(), required=True),
+    NestedField(3, "source_seq", LongType(), required=True),
+    NestedField(4, "raw", StringType(), required=True),
+    NestedField(5, "reason", StringType(), required=True),
+)
+
+
+def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
+    ensure_namespaces(catalog, "cdc")
+    _create_if_absent(
+        catalog,
+        spec.cdc_identifier,
+        CDC_SCHEMA,
+        CDC_PARTITION_SPEC,
+        {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
+    )
+    _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    return ensure_managed_properties(catalog, spec.cdc_identifier)
+
+
+def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
+    if catalog.table_exists(identifier):
+        return
+    try:
+        catalog.create_table(identifier, schema=schema, partition_spec=partition_spec, properties=properties)
+    except TableAlreadyExistsError:
+        pass  # another writer created it first
+
+
+# Metadata columns of base.<table>.
+EVENT_TIME = "_event_time"  # event time of the change that wrote the row (its hour is the row's base partition)
+SOURCE_SEQ = "_source_seq"  # its source position: breaks event-time ties
+DELETED = "_deleted"  # tombstone: the winning change was a delete
+META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED)
+
+
+PROP_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
+DEFAULT_BUCKETS = 16
+
+
+def _iceberg_type(data_type: pa.DataType) -> IcebergType:
+    if pa.types.is_boolean(data_type):
+        return BooleanType()
+    if pa.types.is_int32(data_type):
+        return IntegerType()
+    if pa.types.is_int64(data_type):
+        return LongType()
+    if pa.types.is_float32(data_type):
+        return FloatType()
+    if pa.types.is_float64(data_type):
+        return DoubleType()
+    if pa.types.is_string(data_type):
+        return StringType()
+    if pa.types.is_binary(data_type):
+        return BinaryType()
+    if pa.types.is_date32(data_type):
+        return DateType()
+    if pa.types.is_time64(data_type):
+        return TimeType()
+    if pa.types.is_timestamp(data_type):
+        return TimestamptzType() if data_type.tz else TimestampType()
+    if pa.types.is_decimal(data_type):
+        return DecimalType(data_type.precision, data_type.scale)
+    raise TypeError(f"column type {data_type} has no Iceberg mapping")
+
+
+def base_columns(spec: TableSpec) -> dict[str, pa.DataType]:
+    if not spec.columns:
+        raise ValueError(f"table {spec.name!r} declares no columns: the base table needs typed columns")
+    for name in spec.columns:
+        if name in META_COLUMNS or name.startswith("__"):
+            raise ValueError(f"table {spec.name!r}: column name {name!r} is reserved for base-table metadata")
+    return dict(spec.columns)
+
+
+def base_schema(spec: TableSpec) -> Schema:
+    columns = base_columns(spec)
+    fields = [
+        NestedField(i, name, _iceberg_type(t), required=name in spec.primary_key)
+        for i, (name, t) in enumerate(columns.items(), start=1)
+    ]
+    n = len(fields)
+    fields += [
+        NestedField(n + 1, EVENT_TIME, TimestamptzType(), required=True),
+        NestedField(n + 2, SOURCE_SEQ, LongType(), required=True),
+        NestedField(n + 3, DELETED, BooleanType(), required=True),
+    ]
+    ids = [f.field_id for f in fields if f.name in spec.primary_key]
+    return Schema(*fields, identifier_field_ids=ids)
+
+
+_BUCKETABLE = (IntegerType, LongType, DecimalType, DateType, TimeType, TimestampType, TimestamptzType, StringType, BinaryType)
+
+
+def base_partition_spec(spec: TableSpec, schema: Schema, buckets: int) -> PartitionSpec:
+    """bucket(N, first bucketable primary-key column); unpartitioned if no key column can be bucketed."""
+    for name in spec.primary_key:
+        nested = schema.find_field(name)
+        if isinstance(nested.field_type, _BUCKETABLE):
+            return PartitionSpec(
+                PartitionField(source_id=nested.field_id, field_id=1000, transform=BucketTransform(buckets), name=f"{name}_bucket")
+            )
+    return PartitionSpec()
+
+
+def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None = None) -> Table:
+    """Create base.<name> from the declaration if it does not exist; return it."""
+    identifier = spec.base_identifier
+    if catalog.table_exists(identifier):
+        return catalog.load_table(identifier)
+    buckets = buckets or DEFAULT_BUCKETS
+    if buckets < 1:
+        raise ValueError(f"bucket count must be at least 1, got {buckets}")
+    ensure_namespaces(catalog, "base")
+    schema = base_schema(spec)
+    properties = {**MANAGED_TABLE_PROPERTIES, PROP_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}
+    try:
+        catalog.create_table(identifier, schema=schema, partition_spec=base_partition_spec(spec, schema, buckets), properties=properties)
+    except TableAlreadyExistsError:
+        pass  # a concurrent run created it
+    return catalog.load_table(identifier)
+
+
+def read_base(
+    catalog: Catalog,
+    name: str,
+    *,
+    include_deleted: bool = False,
+    row_filter: str | BooleanExpression = AlwaysTrue(),
+    snapshot_id: int | None = None,
+) -> pa.Table:
+    """The current rows of base.<name> (tombstones and the `_deleted` column hidden unless include_deleted).
+
+    `row_filter` is a PyIceberg filter, e.g. on `_event_time` for one hour.
+    """
+    table = load_existing_table(catalog, f"base.{name}", f"run `partfin upsert --table {name}` first")
+    data = table.scan(row_filter=row_filter, snapshot_id=snapshot_id).to_arrow()
+    if include_deleted:
+        return data
+    return data.filter(pc.invert(data.column(DELETED))).drop_columns([DELETED])

@@ -1,0 +1,1 @@
+"""The CDC writer: checkpoints into cdc.<table>, its extension points, event-time stats and the watermark."""

@@ -1,0 +1,71 @@
+"""The writer's extension points (plain Python): Accumulator and CommitProcessor.
+
+An Accumulator computes a metric over each subtask's records, merged at commit time; a
+CommitProcessor adds summary entries and property updates to the checkpoint commit itself
+(pre_commit, on every attempt) and reacts once it landed (post_commit).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot
+
+
+class Accumulator(ABC):
+    """Per-subtask metric over the records between two checkpoints, merged at commit time.
+
+    `merge` must not depend on the order of the partials: subtasks finish in any order.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def add(self, records: pa.Table) -> None: ...
+
+    @abstractmethod
+    def partial(self) -> Any: ...
+
+    @classmethod
+    @abstractmethod
+    def merge(cls, partials: Sequence[Any]) -> Any: ...
+
+    @classmethod
+    def summary(cls, merged: Any) -> dict[str, str]:
+        return {}
+
+
+@dataclass
+class CommitContext:
+    """What a CommitProcessor sees; rebuilt on fresh table metadata for every commit attempt."""
+
+    table: Table
+    table_name: str
+    checkpoint_id: int
+    heartbeat_us: int | None
+    accumulated: dict[str, Any]
+    summary: dict[str, str] = field(default_factory=dict)  # add snapshot-summary entries here
+    properties: dict[str, str] = field(default_factory=dict)  # add table-property updates here
+
+
+class CommitProcessor:
+    """Custom logic around each checkpoint commit.
+
+    pre_commit runs on every attempt, against the metadata that attempt will be validated
+    against, and may add summary entries and property updates to the same commit.
+    post_commit runs once, after the commit landed.
+    """
+
+    # names of the accumulators whose merged results pre_commit reads
+    required_accumulators: ClassVar[tuple[str, ...]] = ()
+
+    def pre_commit(self, ctx: CommitContext) -> None:
+        pass
+
+    def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
+        pass

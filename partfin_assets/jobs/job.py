@@ -1,0 +1,281 @@
+"""One partfin write job on one table: start snapshot, target partitions, files written, one commit.
+
+Every write that can conflict goes through `Job` (DESIGN §6, the rules in jobs/conflicts.py):
+it records the snapshot it read, the partitions it targets and the files it wrote, and
+commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head;
+UPDATE/DELETE and MERGE fail with `CommitConflictError` when a commit after their start
+touched their partitions. A job that fails or is abandoned deletes the files it wrote.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.io.pyarrow import _dataframe_to_data_files
+from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table, Transaction
+from pyiceberg.table.snapshots import Snapshot
+
+from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
+from partfin_assets.iceberg.files import delete_files, live_files, partition_path
+from partfin_assets.iceberg.history import lineage, summary_of
+from partfin_assets.jobs.conflicts import CommitConflictError, find_conflict
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import compact_json
+from partfin_assets.model.summary_keys import JobKind
+
+log = logging.getLogger(__name__)
+
+
+JOB_PARTITIONS_LIMIT = 200
+FAILING_KINDS = frozenset({JobKind.UPDATE_DELETE, JobKind.MERGE})
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    kind: JobKind
+    table: str
+    snapshot_id: int | None  # None: nothing committed
+    attempts: int
+    partitions: list[str]
+    result: CommitResult | None = None
+    already_committed: bool = False  # a job with this id had already landed (re-run after an unknown outcome)
+
+
+Hook = Callable[["Job"], None]
+
+
+@dataclass
+class Job:
+    """One partfin write job on one table: start snapshot, target partitions, files written, one commit.
+
+    Typical use::
+
+        with Job.start(catalog, "cdc.orders", JobKind.MERGE) as job:
+            files = live_files(job.table, job.start_snapshot_id, ...)      # read at the start snapshot
+            job.target(paths)
+            new = job.write(rows)                                          # registered for cleanup
+            job.commit_replace(remove=files, add=new, summary={...})       # conflict-checked per attempt
+
+    Leaving the `with` block without a commit (exception, abandon) deletes the files written.
+    `before_commit` hooks run once between the read/write phase and the first commit attempt
+    (tests use them as a barrier to make races deterministic).
+    """
+
+    catalog: Catalog
+    identifier: str
+    kind: JobKind
+    job_id: str
+    table: Table  # as of the start snapshot: read from this
+    start_snapshot_id: int | None
+    start_spec_id: int
+    start_sequence_number: int | None = None  # decides what came after the start should expiry cut the chain
+    partitions: set[str] = field(default_factory=set)
+    written: list[str] = field(default_factory=list)
+    before_commit: list[Hook] = field(default_factory=list)
+    committed: JobResult | None = None
+    aborted: bool = False
+
+    @classmethod
+    def start(
+        cls,
+        catalog: Catalog,
+        identifier: str,
+        kind: JobKind,
+        *,
+        job_id: str | None = None,
+        before_commit: Hook | Iterable[Hook] | None = None,
+    ) -> Job:
+        table = catalog.load_table(identifier)
+        hooks = [] if before_commit is None else [before_commit] if callable(before_commit) else list(before_commit)
+        head = table.metadata.current_snapshot()
+        return cls(
+            catalog, identifier, JobKind(kind), job_id or uuid.uuid4().hex, table,
+            table.metadata.current_snapshot_id, table.metadata.default_spec_id,
+            start_sequence_number=head.sequence_number if head is not None else None, before_commit=hooks,
+        )
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.committed is None:
+            self.abort()
+
+    # ---- read side
+
+    def landed_before(self) -> Snapshot | None:
+        """The snapshot of an earlier run with this job id (a re-run after an unknown outcome), if any."""
+        for snapshot in lineage(self.table.metadata):
+            if summary_of(snapshot).get(K.JOB_ID) == self.job_id:
+                return snapshot
+        return None
+
+    def target(self, partitions: Iterable[str]) -> None:
+        self.partitions.update(partitions)
+
+    def target_files(self, files: Iterable[DataFile]) -> None:
+        self.partitions.update(partition_path(self.table.metadata, f) for f in files)
+
+    # ---- write side
+
+    def write(self, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> list[DataFile]:
+        """Write rows as data files of this table (partitioned by its spec); registered for cleanup."""
+        if rows.num_rows == 0:
+            return []
+        metadata = self.table.metadata
+        if target_file_size_bytes is not None:
+            metadata = metadata.model_copy(
+                update={"properties": {**metadata.properties, "write.target-file-size-bytes": str(target_file_size_bytes)}}
+            )
+        rows = rows.cast(self.table.schema().as_arrow())
+        files: list[DataFile] = []
+        try:
+            for data_file in _dataframe_to_data_files(metadata, rows, self.table.io, write_uuid=uuid.uuid4(), counter=itertools.count()):
+                files.append(data_file)
+                self.written.append(data_file.file_path)
+        except BaseException:
+            # files written before the failure are registered already; the caller's exit aborts
+            raise
+        return files
+
+    def abort(self) -> None:
+        """Delete everything this job wrote; it never committed, so nothing of it is visible."""
+        if self.written:
+            delete_files(self.table.io, self.written)
+            log.info("%s: %s job %s aborted; %d file(s) deleted", self.identifier, self.kind.value, self.job_id, len(self.written))
+            self.written = []
+        self.aborted = True
+
+    # ---- commit
+
+    def summary(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        out = dict(extra or {})
+        out[K.COMMIT_ID] = self.job_id
+        out[K.JOB_ID] = self.job_id
+        out[K.JOB_KIND] = self.kind.value
+        if self.partitions and len(self.partitions) <= JOB_PARTITIONS_LIMIT:
+            out[K.JOB_PARTITIONS] = compact_json(sorted(self.partitions))
+        if self.kind in FAILING_KINDS and self.start_snapshot_id is not None:
+            out[K.JOB_START_SNAPSHOT] = str(self.start_snapshot_id)
+        return out
+
+    def check(self, table: Table) -> None:
+        """Raise CommitConflictError if `table` (a fresh head) conflicts with this job."""
+        if self.kind not in FAILING_KINDS:
+            return
+        conflict = find_conflict(
+            table, self.start_snapshot_id, self.partitions,
+            start_spec_id=self.start_spec_id, start_sequence_number=self.start_sequence_number,
+        )
+        if conflict is not None:
+            raise CommitConflictError(
+                self.identifier, self.kind, self.job_id, conflict.partitions, conflict.snapshot_id,
+                conflict.job_id, conflict.kind, conflict.reason,
+            )
+
+    def commit(self, stage: Callable[[Table, object, dict[str, str]], object], *, summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None, max_attempts: int = 50) -> JobResult:
+        """Commit once: every attempt reloads the table, checks conflicts, and calls `stage(table, tx, summary)`.
+
+        `stage(fresh_table, transaction, snapshot_summary)` adds the job's snapshot to the transaction (it must
+        pass `snapshot_summary` as snapshot properties) and returns a truthy value, or a falsy one
+        to commit nothing. `summary` may be a function of the fresh table (re-derived per attempt).
+        On any failure the job's files are deleted and the exception propagates.
+        """
+        if self.committed is not None:
+            raise RuntimeError(f"job {self.job_id} already committed")
+        for hook in self.before_commit:
+            hook(self)
+
+        def build(table: Table, commit_id: str):
+            self.check(table)
+            extra = summary(table) if callable(summary) else summary
+            tx = new_transaction(table)
+            if not stage(table, tx, self.summary(extra)):
+                return None
+            return tx
+
+        try:
+            result = commit_with_retry(self.catalog, self.identifier, build, commit_id=self.job_id, max_attempts=max_attempts)
+        except BaseException:
+            self.abort()
+            raise
+        snapshot_id = result.snapshot.snapshot_id if result.snapshot is not None else None
+        if snapshot_id is None:
+            self.abort()  # nothing committed: whatever was written is garbage
+        self.committed = JobResult(self.job_id, self.kind, self.identifier, snapshot_id, result.attempts, sorted(self.partitions), result)
+        self.written = []
+        return self.committed
+
+    # ---- the kinds
+
+    def commit_append(self, add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
+        """INTO: append `add` on top of whatever the head is."""
+
+        def stage(head, tx, snapshot_summary):
+            if not add:
+                return False
+            with tx.update_snapshot(snapshot_properties=snapshot_summary).fast_append() as append:
+                for data_file in add:
+                    append.append_data_file(data_file)
+            return True
+
+        return self.commit(stage, summary=summary)
+
+    def commit_replace(self, remove: list[DataFile], add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
+        """UPDATE/DELETE or MERGE: replace the files read at the start snapshot, if no one touched their partitions."""
+        if self.kind not in FAILING_KINDS:
+            raise ValueError(f"commit_replace is for UPDATE/DELETE and MERGE jobs, not {self.kind.value}")
+        self.target_files(remove)
+        self.target_files(add)
+
+        def stage(head, tx, snapshot_summary):
+            return _stage_file_swap(tx, snapshot_summary, remove, add)
+
+        return self.commit(stage, summary=summary)
+
+    def commit_overwrite(self, add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
+        """OVERWRITE: replace everything in the target partitions *at the head the commit lands on* by `add`."""
+        if self.kind != JobKind.OVERWRITE:
+            raise ValueError(f"commit_overwrite is for OVERWRITE jobs, not {self.kind.value}")
+        self.target_files(add)
+        targets = set(self.partitions)
+
+        def stage(head, tx, snapshot_summary):
+            replaced = [f for files in live_files(head, None, targets).values() for f in files]
+            return _stage_file_swap(tx, snapshot_summary, replaced, add)
+
+        return self.commit(stage, summary=summary)
+
+
+def retry_on_conflict(run: Callable[[], object], *, max_attempts: int = 5, on_conflict: Callable[[CommitConflictError, int], None] | None = None):
+    """Run a job function again from a fresh snapshot while it fails with CommitConflictError (bounded)."""
+    for attempt in range(1, max_attempts + 1):
+        try:
+            return run()
+        except CommitConflictError as exc:
+            if attempt == max_attempts:
+                raise
+            log.info("%s (attempt %d of %d); re-running from a fresh snapshot", exc, attempt, max_attempts)
+            if on_conflict is not None:
+                on_conflict(exc, attempt)
+    raise AssertionError("unreachable")
+
+
+def _stage_file_swap(tx: Transaction, snapshot_summary: dict[str, str], remove: list[DataFile], add: list[DataFile]) -> bool:
+    """Stage one overwrite snapshot that removes and adds whole data files; False when there is nothing to swap."""
+    if not remove and not add:
+        return False
+    with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
+        for data_file in remove:
+            overwrite.delete_data_file(data_file)
+        for data_file in add:
+            overwrite.append_data_file(data_file)
+    return True

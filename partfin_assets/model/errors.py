@@ -1,0 +1,16 @@
+"""partfin's errors: one base class, so callers (the CLI) can tell a user-facing problem from a bug.
+
+Every partfin exception derives from `PartfinError`. Its message is one line that names what is
+wrong and how to fix it; the CLI prints it and exits 2. Anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class PartfinError(Exception):
+    """A problem partfin reports to the user in one line (bad input, configuration, a lost race)."""
+
+
+class PartfinConfigError(PartfinError, RuntimeError):
+    """A configuration problem the user must fix; the message names what and how."""

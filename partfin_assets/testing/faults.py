@@ -1,0 +1,35 @@
+"""Fault injection for crash and retry tests, switched on by environment variables only.
+
+Production code calls these hooks at the points a test may want to kill or fail; with the
+variables unset they do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def crash_point(name: str) -> None:
+    """Crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process (SIGKILL) at the n-th pass of point <name>."""
+    spec = os.environ.get("PARTFIN_CRASH_AT")
+    if not spec or not spec.startswith(name + ":"):
+        return
+    remaining = int(spec.split(":", 1)[1]) - 1
+    if remaining <= 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.environ["PARTFIN_CRASH_AT"] = f"{name}:{remaining}"
+
+
+def fail_once(table: str, partition_key: str, home: Path) -> None:
+    """Retry tests: PARTFIN_FAIL_ONCE=<table>:<partition key> fails that run once (a marker under `home` remembers)."""
+    spec = os.environ.get("PARTFIN_FAIL_ONCE")
+    if spec != f"{table}:{partition_key}":
+        return
+    marker = home / "fail-once" / spec.replace(":", "_").replace("/", "_")
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("failed once\n")
+    raise RuntimeError(f"injected failure for {spec} (PARTFIN_FAIL_ONCE)")

@@ -1,0 +1,123 @@
+"""The layer diagram of the README holds: no lower layer imports a higher one, no import cycles.
+
+Read from the source (ast), so a violation is named by module and line before anything runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "partfin_assets"
+
+# Top-level part of partfin_assets -> its layer. A module may import its own part and any
+# part of a lower layer; parts of one layer (iceberg / sources, ingest / finalization) stay apart.
+LAYERS = {
+    "model": 0,
+    "testing": 0,  # fault-injection hooks and test processes: import nothing of partfin
+    "iceberg": 1,
+    "sources": 1,
+    "ingest": 2,
+    "finalization": 2,
+    "jobs": 3,
+    "defs": 4,
+    "cli": 4,
+    "definitions": 5,
+}
+DAGSTER_ALLOWED = {"defs", "definitions"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for every import in a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [(node.module, node.lineno, id(node) in top_level)]
+            found += [(n, node.lineno, id(node) in top_level) for n in names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno, id(node) in top_level) for a in node.names]
+    return found
+
+
+def partfin_edges() -> dict[str, set[str]]:
+    known = modules()
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    for module, path in known.items():
+        for target, _, _ in imports(path):
+            if target in known and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_every_part_has_a_layer():
+    parts = {part_of(m) for m in modules() if m != "partfin_assets"}
+    assert parts <= set(LAYERS), f"parts without a layer in the diagram: {sorted(parts - set(LAYERS))}"
+
+
+def test_no_layer_imports_a_higher_one_or_a_sibling():
+    wrong = []
+    for module, targets in partfin_edges().items():
+        source = part_of(module)
+        for target in targets:
+            other = part_of(target)
+            if other != source and LAYERS[other] >= LAYERS[source]:
+                wrong.append(f"{module} ({source}, layer {LAYERS[source]}) imports {target} ({other}, layer {LAYERS[other]})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    edges = partfin_edges()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_partfin_modules_are_imported_at_module_level_only():
+    # a function-level import is how a cycle hides; none is needed
+    deferred = [
+        f"{module}:{line} imports {target}"
+        for module, path in modules().items()
+        for target, line, top in imports(path)
+        if not top and target.startswith("partfin_assets")
+    ]
+    assert not deferred, "\n".join(sorted(set(deferred)))
+
+
+def test_only_the_dagster_layer_imports_dagster():
+    wrong = [
+        f"{module}:{line} imports {target}"
+        for module, path in modules().items()
+        if part_of(module) not in DAGSTER_ALLOWED
+        for target, line, _ in imports(path)
+        if target == "dagster" or target.startswith("dagster.") or target.startswith("dagster_")
+    ]
+    assert not wrong, "\n".join(sorted(set(wrong)))
