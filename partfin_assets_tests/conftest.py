@@ -55,3 +55,12 @@ def postgres():
 
     with throwaway_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def kafka_cluster():
+    """librdkafka's mock Kafka cluster: 3 brokers on 127.0.0.1 in a helper process, stopped by PID."""
+    from partfin_assets_tests.kafka_cluster import mock_kafka_cluster
+
+    with mock_kafka_cluster(brokers=3) as cluster:
+        yield cluster
