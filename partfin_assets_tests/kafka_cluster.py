@@ -111,10 +111,9 @@ class MockKafkaCluster:
         return self._process.pid
 
     def client_config(self, **overrides) -> dict:
-        """A confluent-kafka config dict for this cluster (`group_id=` style keys become `group.id`)."""
-        config = {"bootstrap.servers": self.bootstrap_servers}
-        config.update({key.replace("_", "."): value for key, value in overrides.items()})
-        return config
+        """A confluent-kafka config for this cluster plus `overrides` (librdkafka property names:
+        `client_config(**{"group.id": "g"})`)."""
+        return {"bootstrap.servers": self.bootstrap_servers, **overrides}
 
     # topics -----------------------------------------------------------------------------------
     def create_topic(self, topic: str, partitions: int, replication_factor: int | None = None) -> None:
@@ -129,15 +128,15 @@ class MockKafkaCluster:
         """Metadata requests for `topic` answer `error` (0 clears it)."""
         self._call("topic_set_error", topic, _error_code(error))
 
-    def delete_records(self, topic: str, partition: int, before_offset: int) -> None:
-        """Advance the partition's log start offset (what retention does on a real broker)."""
-        self._call("partition_delete_records", topic, partition, before_offset)
-
     # partitions -------------------------------------------------------------------------------
     def set_partition_leader(self, topic: str, partition: int, broker_id: int) -> None:
         """Move the partition's leader; -1 leaves it leaderless: produce and fetch on it stall
         (clients retry) until a leader is set again, the other partitions go on."""
         self._call("partition_set_leader", topic, partition, broker_id)
+
+    def delete_records(self, topic: str, partition: int, before_offset: int) -> None:
+        """Advance the partition's log start offset (what retention does on a real broker)."""
+        self._call("partition_delete_records", topic, partition, before_offset)
 
     def push_partition_errors(self, topic: str, partition: int, api: str, errors: Sequence[int | str]) -> None:
         """The next len(errors) `api` requests touching this partition get these partition-level errors."""

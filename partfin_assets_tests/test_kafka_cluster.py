@@ -36,7 +36,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 from partfin_assets_tests import debezium_messages as dbz
-from partfin_assets_tests.kafka_cluster import FAST_GROUP_SETTINGS, MockKafkaError, mock_kafka_cluster
+from partfin_assets_tests.kafka_cluster import ALL_BROKERS, FAST_GROUP_SETTINGS, MockKafkaError, mock_kafka_cluster
 
 TOPIC = "dbserver1.public.orders"
 T0_MS = 1_793_491_200_000  # 2026-11-01T00:00:00Z
@@ -433,6 +433,39 @@ def test_injected_request_errors_reach_the_client(kafka_cluster):
 
     assert refused.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
     assert stored[0].offset == 1
+
+
+def test_every_control_call_reaches_the_mock(kafka_cluster):
+    """Each wrapped mock call with its C signature (a wrong one would crash the helper), and its effect."""
+    kafka_cluster.create_topic(TOPIC, 3)
+    admin = AdminClient(kafka_cluster.client_config())
+
+    kafka_cluster.set_topic_error(TOPIC, "TOPIC_AUTHORIZATION_FAILED")
+    refused = admin.list_topics(TOPIC, timeout=30).topics[TOPIC].error
+    kafka_cluster.set_topic_error(TOPIC, 0)
+    kafka_cluster.decommission_broker(3)
+    kafka_cluster.add_broker(4)
+    brokers = sorted(admin.list_topics(timeout=30).brokers)
+    kafka_cluster.set_coordinator("group", "pinned", 2)
+    kafka_cluster.set_broker_rtt(ALL_BROKERS, 0)
+    kafka_cluster.push_broker_errors(1, "Fetch", [("NOT_LEADER_FOR_PARTITION", 10)])
+    kafka_cluster.push_partition_errors(TOPIC, 0, "Fetch", ["NOT_LEADER_FOR_PARTITION"] * 2)
+    kafka_cluster.push_request_errors("Produce", ["REQUEST_TIMED_OUT"])
+    kafka_cluster.clear_request_errors("Produce")
+    kafka_cluster.start_request_tracking()
+    kafka_cluster.stop_request_tracking()
+    with pytest.raises(MockKafkaError, match="UNKNOWN_TOPIC_OR_PART"):
+        kafka_cluster.push_partition_errors(TOPIC, 7, "Fetch", ["NOT_LEADER_FOR_PARTITION"])
+    # the errors pushed for Fetch are retried by the consumer: everything still arrives
+    delivered = produce(kafka_cluster, TOPIC, dbz.row_history(range(1, 6), T0_MS))
+    consumer = Consumer(kafka_cluster.client_config(**{"group.id": "pinned"}))
+    consumer.assign([TopicPartition(TOPIC, p, 0) for p in range(3)])
+    records = consume(consumer, len(delivered))
+    consumer.close()
+
+    assert refused is not None and refused.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    assert brokers == [1, 2, 4]
+    assert sorted(positions(records)) == sorted(delivered)
 
 
 def test_what_the_mock_does_not_do(kafka_cluster):
