@@ -198,8 +198,9 @@ class MockKafkaCluster:
 
     # process ----------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM by PID, SIGKILL if it lingers, and reap it (no zombie)."""
+        """SIGTERM by PID, SIGKILL if it lingers, reap it (no zombie), remove its log."""
         stop_process(self._process, timeout_s)
+        shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
     def _call(self, command: str, *args):
         with self._lock:
@@ -235,7 +236,6 @@ def mock_kafka_cluster(brokers: int = 3, *, initial_rebalance_delay_ms: int = 0,
         yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(cluster.log_path.parent, ignore_errors=True)
 
 
 def start_mock_kafka_cluster(brokers: int = 3, *, start_timeout_s: float = 30.0) -> MockKafkaCluster:
@@ -243,7 +243,8 @@ def start_mock_kafka_cluster(brokers: int = 3, *, start_timeout_s: float = 30.0)
     log_path = log_dir / "mock-cluster.log"
     with open(log_path, "wb") as log:  # stderr to a file: a full, unread pipe would block librdkafka's log calls
         process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--brokers", str(brokers), "--parent-pid", str(os.getpid())],
+            [sys.executable, str(Path(__file__).resolve()), "--brokers", str(brokers), "--parent-pid", str(os.getpid()),
+             "--log-dir", str(log_dir)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
             start_new_session=True,  # a Ctrl-C in the terminal reaches pytest, which then stops us by PID
         )
@@ -392,15 +393,22 @@ class _Helper:
         return rows
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Exit as soon as the parent is gone (re-parented), even if it was SIGKILLed."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.2)
+def _exit(log_dir: str | None) -> None:
+    """Exit at once (no clean shutdown needed: the kernel closes the listeners); nobody will read the log."""
+    if log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
     os._exit(0)
 
 
-def _serve(brokers: int, parent_pid: int) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+def _exit_when_orphaned(parent_pid: int, log_dir: str | None) -> None:
+    """Exit as soon as the parent is gone (re-parented), even if it was SIGKILLed."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.2)
+    _exit(log_dir)
+
+
+def _serve(brokers: int, parent_pid: int, log_dir: str | None) -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, log_dir), daemon=True).start()
     helper = _Helper(brokers)
     print(helper.bootstrap_servers(), flush=True)
     for line in sys.stdin:  # EOF: the parent closed our stdin or died
@@ -410,7 +418,7 @@ def _serve(brokers: int, parent_pid: int) -> None:
         except (MockKafkaError, KeyError, TypeError, ValueError, ctypes.ArgumentError) as error:
             answer = {"error": f"{type(error).__name__}: {error}" if not isinstance(error, MockKafkaError) else str(error)}
         print(json.dumps(answer), flush=True)
-    os._exit(0)  # no clean shutdown needed: the kernel closes the listeners
+    _exit(log_dir)  # stdin closed: the parent is gone or done with us
 
 
 if __name__ == "__main__":
@@ -419,5 +427,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="librdkafka mock Kafka cluster on 127.0.0.1 (test helper)")
     parser.add_argument("--brokers", type=int, default=3)
     parser.add_argument("--parent-pid", type=int, default=os.getppid())
+    parser.add_argument("--log-dir", help="the directory of our stderr log, removed when we exit by ourselves")
     options = parser.parse_args()
-    _serve(options.brokers, options.parent_pid)
+    _serve(options.brokers, options.parent_pid, options.log_dir)

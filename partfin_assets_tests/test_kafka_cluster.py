@@ -513,6 +513,7 @@ def test_stop_leaves_no_process_and_no_listener_behind():
         socket.create_connection((host, int(port)), timeout=10).close()
     with pytest.raises(ProcessLookupError):  # reaped: a zombie would still accept signal 0
         os.kill(pid, 0)
+    assert not cluster.log_path.parent.exists()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, int(port)), timeout=10).close()
 
@@ -528,7 +529,7 @@ if {keep_pipe_open}:  # a forked child inherits the helper's stdin pipe: no EOF 
     if child == 0:
         time.sleep(120)
         os._exit(0)
-print(cluster.pid, child, flush=True)
+print(cluster.pid, child, cluster.log_path.parent, flush=True)
 time.sleep(120)
 """
 
@@ -547,7 +548,8 @@ def test_the_helper_exits_when_its_parent_is_killed(keep_pipe_open):
         [sys.executable, "-c", _PARENT.format(repo=str(REPO), keep_pipe_open=keep_pipe_open)],
         stdout=subprocess.PIPE, text=True,
     )
-    helper_pid, forked_child = (int(v) for v in parent.stdout.readline().split())
+    helper_pid, forked_child, log_dir = parent.stdout.readline().split()
+    helper_pid, forked_child = int(helper_pid), int(forked_child)
     try:
         assert not _has_exited(helper_pid)
         os.kill(parent.pid, signal.SIGKILL)
@@ -556,6 +558,7 @@ def test_the_helper_exits_when_its_parent_is_killed(keep_pipe_open):
         while not _has_exited(helper_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _has_exited(helper_pid), "the mock Kafka helper outlived its killed parent"
+        assert not Path(log_dir).exists()  # it cleaned up after itself
     finally:
         parent.stdout.close()
         for pid in (forked_child, helper_pid):
