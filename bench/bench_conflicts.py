@@ -19,12 +19,10 @@ Goals: (1) linear in k (per-snapshot cost flat) and the same on `small` and `big
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +31,13 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan  # noqa: E402
-from pyiceberg.io.pyarrow import _dataframe_to_data_files  # noqa: E402
 
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catalog  # noqa: E402
 from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES  # noqa: E402
-from partfin_assets.iceberg.files import hour_partition  # noqa: E402
+from partfin_assets.iceberg.files import hour_partition, write_data_files  # noqa: E402
 from partfin_assets.iceberg.history import snapshots_since  # noqa: E402
 from partfin_assets.iceberg.tables import CDC_PARTITION_SPEC, CDC_SCHEMA  # noqa: E402
-from partfin_assets.jobs import conflicts
+from partfin_assets.jobs import conflicts  # noqa: E402
 from partfin_assets.jobs.conflicts import find_conflict  # noqa: E402
 from partfin_assets.model.timeutil import iso_z  # noqa: E402
 
@@ -66,14 +63,14 @@ def build(catalog, name: str, commits: int, big_files: int) -> None:
     if big_files:
         files = []
         for i in range(big_files):
-            files += list(_dataframe_to_data_files(table.metadata, rows(i % 23, 5, i * 10), table.io, uuid.uuid4(), itertools.count()))
+            files += list(write_data_files(table, rows(i % 23, 5, i * 10)))
         with table.transaction() as tx:
             with tx.update_snapshot().fast_append() as append:
                 for f in files:
                     append.append_data_file(f)
         table = catalog.load_table(f"bench.{name}")
     for c in range(commits):
-        files = list(_dataframe_to_data_files(table.metadata, rows(c % 23, 3, 10_000_000 + c * 10), table.io, uuid.uuid4(), itertools.count()))
+        files = list(write_data_files(table, rows(c % 23, 3, 10_000_000 + c * 10)))
         tx = table.transaction()
         with tx.update_snapshot().fast_append() as append:
             for f in files:

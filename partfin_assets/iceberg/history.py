@@ -95,15 +95,21 @@ def watermark_history(metadata: TableMetadata) -> list[tuple[int, int]]:
 
 
 def snapshots_since(
-    metadata: TableMetadata, start_snapshot_id: int | None, start_sequence_number: int | None = None
+    metadata: TableMetadata,
+    start_snapshot_id: int | None,
+    start_sequence_number: int | None = None,
+    *,
+    complete: bool = True,
 ) -> list[Snapshot] | None:
-    """Snapshots of main after `start_snapshot_id` up to the head, newest first.
+    """Snapshots of main after `start_snapshot_id` (None: since the table began) up to the head, newest first.
 
     Follows parent links. Where expiry broke the chain (the start snapshot itself, or snapshots
-    in between, expired), the sequence number the job recorded at its start still decides: each
+    in between, expired), the sequence number recorded with the start still decides: each
     commit on main takes the next sequence number, so the retained snapshots numbered after it
     are all of them exactly when their numbers have no gap up to the head. Otherwise None: what
-    changed can no longer be known, and callers must assume everything did.
+    changed can no longer be known, and callers must assume everything did. With
+    `complete=False` the caller takes what is retained: the retained snapshots numbered after
+    the start (or, without a start number, those the parent links reach).
     """
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
     out: list[Snapshot] = []
@@ -122,11 +128,25 @@ def snapshots_since(
         current = by_id.get(parent)
     if start_snapshot_id is None and head is None:
         return out
-    if start_sequence_number is not None and head is not None and head.sequence_number:
-        after = sorted((s for s in metadata.snapshots if s.sequence_number > start_sequence_number),
-                       key=lambda s: s.sequence_number, reverse=True)
-        if [s.sequence_number for s in after] == list(range(head.sequence_number, start_sequence_number, -1)):
-            return after
+    if start_sequence_number is None:
+        return None if complete else out
+    after = sorted((s for s in metadata.snapshots if s.sequence_number > start_sequence_number),
+                   key=lambda s: s.sequence_number, reverse=True)
+    if not complete:
+        return after
+    if head is not None and head.sequence_number and [s.sequence_number for s in after] == list(
+        range(head.sequence_number, start_sequence_number, -1)
+    ):
+        return after
+    return None
+
+
+def recorded_watermark(metadata: TableMetadata) -> int | None:
+    """The watermark recorded by the newest snapshot of main that recorded one (what a reader of that snapshot saw)."""
+    for snapshot in lineage(metadata):
+        watermark = watermark_of(summary_of(snapshot))
+        if watermark is not None:
+            return watermark
     return None
 
 

@@ -10,8 +10,6 @@ that already landed is never committed twice.
 
 from __future__ import annotations
 
-import itertools
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -21,13 +19,12 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.io.pyarrow import _dataframe_to_data_files
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
-from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import last_writer_position, lineage, summary_of
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator
@@ -199,7 +196,7 @@ class CdcWriter:
         return written.result(), partials
 
     def _write_files(self, part: pa.Table) -> list[DataFile]:
-        return list(_dataframe_to_data_files(self.table.metadata, part, self.table.io, write_uuid=uuid.uuid4(), counter=itertools.count()))
+        return list(write_data_files(self.table, part))
 
     def _accumulate(self, part: pa.Table) -> dict[str, Any]:
         accumulators = [acc() for acc in self.accumulators]
