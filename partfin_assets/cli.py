@@ -16,9 +16,10 @@ from partfin_assets.finalization.status import all_table_status
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.commit import new_transaction
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import PartfinConfigError
+from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
 from partfin_assets.sources.registry import make_source, postgres_table_spec, source_kind
 from partfin_assets.sources.synthetic import ORDERS_SPEC
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"ingest": _ingest, "upsert": _upsert, "status": _status}[args.command](args)
-    except (PartfinConfigError, ValueError) as exc:
+    except (PartfinError, ValueError) as exc:
         print(f"partfin: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -131,7 +132,8 @@ class _Progress:
 
 
 def _upsert(args: argparse.Namespace) -> int:
-    result = run_upsert(load_partfin_catalog(), args.table)
+    catalog = load_partfin_catalog()
+    result = retry_on_conflict(lambda: run_upsert(catalog, args.table))  # a lost race re-runs from fresh data
     print(result.describe())
     return 0
 

@@ -18,21 +18,28 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from pyiceberg.transforms import BucketTransform
+from pyiceberg.types import LongType
 
 from partfin_assets.iceberg.catalog import CatalogConfig
 from partfin_assets.iceberg.expiry import Retention
-from partfin_assets.iceberg.files import hour_partition
+from partfin_assets.iceberg.files import hour_partition, live_files, read_files
 from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.iceberg.tables import read_base
 from partfin_assets.ingest.extensions import CommitProcessor
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.compaction import compact, files_per_partition
 from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.job import Job
 from partfin_assets.jobs.maintenance import list_table_files, referenced_files
-from partfin_assets.jobs.privacy import cdc_key_filter, delete_where
+from partfin_assets.jobs.privacy import base_key_filter, cdc_key_filter, delete_where
 from partfin_assets.jobs.replay import replay_hour
+from partfin_assets.jobs.retry import retry_on_conflict
+from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
 
 KINDS = [JobKind.OVERWRITE, JobKind.INTO, JobKind.UPDATE_DELETE, JobKind.MERGE]
@@ -175,9 +182,9 @@ def apply(model: list[Row], kind: JobKind, name: str, tag: int) -> list[Row]:
     return model  # MERGE rewrites files, not rows
 
 
-def assert_no_stray_files(catalog) -> None:
+def assert_no_stray_files(catalog, identifier: str = "cdc.orders") -> None:
     """Every file in the table's directory is referenced by a retained snapshot or the metadata (nothing expired here)."""
-    table = catalog.load_table("cdc.orders")
+    table = catalog.load_table(identifier)
     on_disk = {f.path for f in list_table_files(table.metadata.location)}
     stray = on_disk - referenced_files(table)
     assert not stray, f"files left behind: {sorted(stray)}"
@@ -252,6 +259,151 @@ def test_conflict_matrix(any_catalog, earlier, later, placement):
             assert K.EVENT_TIME_COUNT not in summary
     if later is JobKind.MERGE and not must_fail:
         assert files_per_partition(catalog, "cdc.orders")[hour_partition(table.metadata, HOURS["A"])] == 1
+
+
+# --------------------------------------------------------------------------- the upsert in the matrix (base.orders)
+
+BUCKET_OF = BucketTransform(16).transform(LongType())
+UPSERT_KEY = 1  # the key the pending CDC change updates: its bucket is the upsert's partition
+OTHER_BUCKET_KEY = next(k for k in range(40) if BUCKET_OF(k) != BUCKET_OF(UPSERT_KEY))
+
+
+def bucket_path(key: int) -> str:
+    return f"id_bucket={BUCKET_OF(key)}"
+
+
+def keys_in_bucket_of(key: int, candidates) -> list[int]:
+    return [k for k in candidates if BUCKET_OF(k) == BUCKET_OF(key)]
+
+
+def base_state(catalog) -> dict[int, tuple]:
+    rows = read_base(catalog, "orders", include_deleted=True)
+    return {i: (a, s) for i, a, s in zip(*(rows.column(c).to_pylist() for c in ("id", "amount", "_source_seq")))}
+
+
+def seed_base(catalog) -> None:
+    """base.orders with keys 0-39, two files in the buckets of both placements, and one pending CDC change of UPSERT_KEY."""
+    writer = CdcWriter(catalog, ORDERS, writer_id="seed", retention=NO_EXPIRY)
+    writer.write_checkpoint(change_batch(T0_US + np.arange(40) * 60_000_000, offset="s0", seq_start=0, keys=list(range(40))))
+    run_upsert(catalog, "orders")
+    for tag, key in enumerate((UPSERT_KEY, OTHER_BUCKET_KEY)):  # a second (small) file in each bucket: MERGE has work
+        base_into(catalog, extra_key(key, tag), 500 + tag, None)
+    writer.write_checkpoint(change_batch(T0_US + HOUR_US + np.arange(1), offset="s1", seq_start=100, keys=[UPSERT_KEY]))
+
+
+def extra_key(near: int, tag: int) -> int:
+    """A new key (not among 0-39) in the bucket of `near`."""
+    return next(k for k in range(1000 + tag * 1000, 10_000) if BUCKET_OF(k) == BUCKET_OF(near))
+
+
+def base_into(catalog, key: int, seq: int, hook):
+    """A plain INTO job on base.orders: append one row."""
+    row = pa.table({"id": [key], "amount": [9.0], "_event_time": pa.array([T0_US], pa.timestamp("us", tz="UTC")),
+                    "_source_seq": [seq], "_deleted": [False]})
+    with Job.start(catalog, "base.orders", JobKind.INTO, before_commit=hook) as job:
+        return job.commit_append(job.write(row))
+
+
+def run_base_job(catalog, kind: JobKind, key: int, barrier: Barrier | None) -> Outcome:
+    """A job of `kind` on base.orders in the bucket of `key`: INTO appends a row, OVERWRITE rewrites the bucket
+    as read at its start, UPDATE/DELETE deletes a seeded key, MERGE compacts the bucket."""
+    hook = barrier.park if barrier is not None else None
+    if kind is JobKind.INTO:
+        return Outcome(base_into(catalog, extra_key(key, 3), 900, hook).snapshot_id)
+    if kind is JobKind.OVERWRITE:
+        with Job.start(catalog, "base.orders", JobKind.OVERWRITE, before_commit=hook) as job:
+            rows = read_files(job.table, live_files(job.table, None, [bucket_path(key)])[bucket_path(key)])
+            job.target([bucket_path(key)])
+            return Outcome(job.commit_overwrite(job.write(rows)).snapshot_id)
+    if kind is JobKind.UPDATE_DELETE:
+        spec = TableSpec.from_properties("orders", catalog.load_table("cdc.orders").properties)
+        victim = next(k for k in keys_in_bucket_of(key, range(40)) if k != UPSERT_KEY)
+        prune, mask = base_key_filter(spec, [{"id": victim}])
+        return Outcome(delete_where(catalog, "base.orders", prune, mask, before_commit=hook).snapshot_id)
+    return Outcome(compact(catalog, "base.orders", partitions=[bucket_path(key)], finalized_only=False, before_commit=hook).snapshot_id)
+
+
+def apply_base(model: dict, kind: JobKind, key: int, read_at_start: dict) -> dict:
+    """The effect of a successful job of `kind` (bucket of `key`) on base.orders; `read_at_start`: base when it started."""
+    model = dict(model)
+    if kind is JobKind.INTO:
+        model[extra_key(key, 3)] = (9.0, 900)
+    elif kind is JobKind.OVERWRITE:
+        model = {k: v for k, v in model.items() if BUCKET_OF(k) != BUCKET_OF(key)}
+        model.update({k: v for k, v in read_at_start.items() if BUCKET_OF(k) == BUCKET_OF(key)})
+    elif kind is JobKind.UPDATE_DELETE:
+        model.pop(next(k for k in keys_in_bucket_of(key, range(40)) if k != UPSERT_KEY))
+    return model
+
+
+UPSERTED = (1.5, 100)  # UPSERT_KEY after the pending change is merged
+
+
+@pytest.mark.parametrize("placement", ["same", "different"])
+@pytest.mark.parametrize("other", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("upsert_finishes", ["later", "earlier"])
+def test_upsert_in_the_conflict_matrix(catalog, upsert_finishes, other, placement):
+    """The upsert is an UPDATE/DELETE job on base.<table>: its row of DESIGN §6 and its column, per bucket."""
+    seed_base(catalog)
+    start = base_state(catalog)
+    other_key = UPSERT_KEY if placement == "same" else OTHER_BUCKET_KEY
+    barrier = Barrier()
+    later = Outcome()
+    later_kind = JobKind.UPDATE_DELETE if upsert_finishes == "later" else other
+
+    def later_job() -> None:
+        try:
+            if upsert_finishes == "later":
+                later.snapshot_id = run_upsert(catalog, "orders", before_commit=barrier.park).base_snapshot_id
+            else:
+                later.snapshot_id = run_base_job(catalog, other, other_key, barrier).snapshot_id
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            later.error = exc
+
+    thread = threading.Thread(target=later_job, name=f"later-{later_kind.name}")
+    thread.start()
+    try:
+        assert barrier.reached.wait(60), f"later job never got to its commit: {later.error!r}"
+        if upsert_finishes == "later":
+            earlier = run_base_job(catalog, other, other_key, None)
+        else:
+            earlier = Outcome(run_upsert(catalog, "orders").base_snapshot_id)
+    finally:
+        barrier.release.set()
+        thread.join(120)
+    assert not thread.is_alive() and earlier.snapshot_id is not None
+
+    model = dict(start)
+    upsert_effect = {UPSERT_KEY: UPSERTED}
+    if upsert_finishes == "later":
+        model = apply_base(model, other, other_key, start)
+    else:
+        model.update(upsert_effect)
+    must_fail = later_kind in (JobKind.UPDATE_DELETE, JobKind.MERGE) and placement == "same"
+    if must_fail:
+        error = later.error
+        assert isinstance(error, CommitConflictError), f"expected a conflict, got {error!r}"
+        assert error.table == "base.orders" and error.kind is later_kind
+        assert error.conflicting_snapshot_id == earlier.snapshot_id
+        assert error.conflicting_kind == (other.value if upsert_finishes == "later" else JobKind.UPDATE_DELETE.value)
+        assert bucket_path(UPSERT_KEY) in error.partitions
+    else:
+        assert later.error is None, f"later {later_kind.value} failed: {later.error!r}"
+        model = model | upsert_effect if upsert_finishes == "later" else apply_base(model, other, other_key, start)
+    assert base_state(catalog) == model
+    table = catalog.load_table("base.orders")
+    if must_fail:
+        assert table.metadata.current_snapshot_id == earlier.snapshot_id
+    else:
+        assert table.metadata.current_snapshot_id == later.snapshot_id
+        assert table.current_snapshot().parent_snapshot_id == earlier.snapshot_id
+    assert_no_stray_files(catalog, "base.orders")
+    merged = table.properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
+    upsert_landed = not (must_fail and upsert_finishes == "later")
+    assert (merged == str(catalog.load_table("cdc.orders").metadata.current_snapshot_id)) == upsert_landed
+    if not upsert_landed:  # the lost upsert, run again under the retry policy, merges from the new head
+        rerun = retry_on_conflict(lambda: run_upsert(catalog, "orders"))
+        assert rerun.updated == 1 and base_state(catalog) == model | upsert_effect
 
 
 # --------------------------------------------------------------------------- the conflict layer itself (SQLite)
@@ -408,7 +560,7 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
 
 
 def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
-    from partfin_assets.jobs.job import retry_on_conflict
+    from partfin_assets.jobs.retry import ConflictRetryPolicy, retry_on_conflict
 
     seed(catalog)
     attempts = []
@@ -421,7 +573,7 @@ def test_retry_on_conflict_reruns_from_a_fresh_snapshot(catalog):
         attempts.append(1)
         return compact(catalog, "cdc.orders", hours=[HOURS["A"]], finalized_only=False, before_commit=racer)
 
-    result = retry_on_conflict(run, max_attempts=3)
+    result = retry_on_conflict(run, ConflictRetryPolicy(max_retries=2, base_delay_s=0.0))
     assert len(attempts) == 2 and result.snapshot_id is not None
     assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
 

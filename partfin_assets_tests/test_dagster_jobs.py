@@ -18,6 +18,7 @@ from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs.compaction import files_per_partition
 from partfin_assets.jobs.job import Job
+from partfin_assets.jobs.retry import ConflictRetryPolicy
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets.sources.synthetic import ORDERS_SPEC
@@ -36,7 +37,7 @@ def synced(tmp_path, monkeypatch):
     monkeypatch.setenv("PARTFIN_PARTITIONS_START", "2026-01-01-00:00")
     monkeypatch.setenv("PARTFIN_MAX_RECORDS", "300")  # many small checkpoints: many small files per hour
     monkeypatch.setenv("PARTFIN_MAX_CHECKPOINTS_PER_RUN", "100")
-    monkeypatch.setattr("partfin_assets.defs.retry.BACKOFF_SECONDS", 0.05)
+    monkeypatch.setattr("partfin_assets.jobs.retry.CONFLICT_RETRY", ConflictRetryPolicy(base_delay_s=0.05))
     from partfin_assets.defs import build_definitions
     from partfin_assets.defs.tables import PartfinTable
 

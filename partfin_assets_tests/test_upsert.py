@@ -16,10 +16,14 @@ from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import summary_of, watermark_history
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.jobs.upsert import MERGED_TAG, run_upsert
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.maintenance import list_table_files, referenced_files
+from partfin_assets.jobs.retry import retry_on_conflict
+from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.jobs.upsert.payload import UpsertPayloadError
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso, to_us
 
@@ -158,7 +162,7 @@ def test_position_and_watermark_in_the_same_commit(h: Harness):
     assert summary[K.JOB_KIND] == "UPDATE/DELETE" and K.COMMIT_ID in summary
     assert result.cdc_snapshot_ids_merged == [s.snapshot_id for s in h.cdc().metadata.snapshots]
     # the merged CDC snapshot is tagged so expiry keeps the next run's starting point
-    assert h.cdc().metadata.refs[MERGED_TAG].snapshot_id == cdc_snapshot.snapshot_id
+    assert h.cdc().metadata.refs[K.MERGED_TAG].snapshot_id == cdc_snapshot.snapshot_id
 
 
 def test_heartbeat_only_snapshots_advance_position_and_watermark(h: Harness):
@@ -274,14 +278,14 @@ def test_expired_merge_position_falls_back_to_full_remerge(h: Harness):
     cdc = h.cdc()
     merged = int(h.base().properties[K.PROP_SOURCE_SNAPSHOT_ID])
     with cdc.manage_snapshots() as manage:
-        manage.remove_tag(MERGED_TAG)
+        manage.remove_tag(K.MERGED_TAG)
     h.write([(3, "c", 6, 4, 3.0)])
     h.cdc().maintenance.expire_snapshots().by_ids([merged]).commit()
     result = h.upsert()
     assert result.full_remerge
     assert h.live() == {1: (1.0, 1), 3: (3.0, 4)}
     assert (result.inserted, result.updated, result.deleted) == (1, 0, 0)
-    assert h.cdc().metadata.refs[MERGED_TAG].snapshot_id == h.cdc().current_snapshot().snapshot_id
+    assert h.cdc().metadata.refs[K.MERGED_TAG].snapshot_id == h.cdc().current_snapshot().snapshot_id
 
 
 def test_tag_protects_merge_position_from_expiry(tmp_path: Path):
@@ -297,7 +301,7 @@ def test_tag_protects_merge_position_from_expiry(tmp_path: Path):
     assert len(h.live()) == 7
 
 
-def test_concurrent_base_change_recomputes_from_fresh_data(h: Harness):
+def test_an_upsert_that_loses_to_another_upsert_commits_nothing_and_its_rerun_finds_the_work_done(h: Harness):
     h.write([(1, "c", 0, 1, 1.0)])
     h.upsert()
     h.write([(2, "c", 1, 2, 2.0)])
@@ -306,15 +310,21 @@ def test_concurrent_base_change_recomputes_from_fresh_data(h: Harness):
     def meddle(phase: str) -> None:
         # Another upsert lands between this run's read and its commit.
         if phase == "after-files" and not fired:
-            fired.append(phase)
-            inner = run_upsert(h.catalog, "orders")
-            assert inner.inserted == 1
+            fired.append(run_upsert(h.catalog, "orders"))
+            assert fired[0].inserted == 1
 
-    result = run_upsert(h.catalog, "orders", crash_hook=meddle)
-    assert result.attempts == 2 and result.base_snapshot_id is None  # the recomputed run found it merged
+    with pytest.raises(CommitConflictError) as lost:
+        run_upsert(h.catalog, "orders", crash_hook=meddle)
+    assert lost.value.kind is JobKind.UPDATE_DELETE and lost.value.table == "base.orders"
+    assert lost.value.conflicting_snapshot_id == fired[0].base_snapshot_id
+    assert K.PROP_SOURCE_SNAPSHOT_ID in lost.value.reason
+    rerun = retry_on_conflict(lambda: run_upsert(h.catalog, "orders"))  # the policy the CLI and the op follow
+    assert rerun.base_snapshot_id is None and rerun.cdc_snapshot_ids_merged == []  # found it merged
     assert h.live() == {1: (1.0, 1), 2: (2.0, 2)}
     upserts = [s for s in h.base().metadata.snapshots if summary_of(s).get(K.PROP_SOURCE_SNAPSHOT_ID)]
     assert len({summary_of(s)[K.PROP_SOURCE_SNAPSHOT_ID] for s in upserts}) == len(upserts)  # nothing applied twice
+    stray = {f.path for f in list_table_files(h.base().location())} - referenced_files(h.base())
+    assert not stray  # the loser's data files are gone
 
 
 def test_failed_run_leaves_no_files(h: Harness):

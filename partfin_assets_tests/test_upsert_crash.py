@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from partfin_assets.iceberg.history import summary_of, watermark_history
-from partfin_assets.jobs.upsert import MERGED_TAG
 from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_upsert import Change, Harness
 from partfin_assets_tests.test_upsert_properties import reference
@@ -86,7 +85,7 @@ def test_kill_at_phase_then_rerun(tmp_path: Path, phase: str):
         assert rerun.base_snapshot_id is not None
     assert_exact(h, first + second)
     # the tag the killed run could not move is repaired by the rerun
-    assert h.cdc().metadata.refs[MERGED_TAG].snapshot_id == h.cdc().current_snapshot().snapshot_id
+    assert h.cdc().metadata.refs[K.MERGED_TAG].snapshot_id == h.cdc().current_snapshot().snapshot_id
 
 
 def test_kill_at_random_times(tmp_path: Path):

@@ -87,7 +87,6 @@ DELETED = "_deleted"  # tombstone: the winning change was a delete
 META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED)
 
 
-PROP_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
 DEFAULT_BUCKETS = 16
 
 
@@ -166,7 +165,7 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
         raise ValueError(f"bucket count must be at least 1, got {buckets}")
     ensure_namespaces(catalog, "base")
     schema = base_schema(spec)
-    properties = {**MANAGED_TABLE_PROPERTIES, PROP_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}
+    properties = {**MANAGED_TABLE_PROPERTIES, K.PROP_BASE_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}
     try:
         catalog.create_table(identifier, schema=schema, partition_spec=base_partition_spec(spec, schema, buckets), properties=properties)
     except TableAlreadyExistsError:

@@ -42,6 +42,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.files import WHOLE_TABLE, partition_path
 from partfin_assets.iceberg.history import snapshots_since, summary_of
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.summary_keys import JobKind
 
 PARTITION_SUMMARY_PREFIX = "partitions."
@@ -54,7 +55,7 @@ _FILE_CHANGE_KEYS = (
 )
 
 
-class CommitConflictError(RuntimeError):
+class CommitConflictError(PartfinError, RuntimeError):
     """An UPDATE/DELETE or MERGE job lost: a commit made after it started reading changed its partitions.
 
     Nothing of the job is visible and its files are deleted. Retrying means re-running the job from

@@ -9,7 +9,6 @@ touched their partitions. A job that fails or is abandoned deletes the files it 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -17,13 +16,12 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.io.pyarrow import _dataframe_to_data_files
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
-from partfin_assets.iceberg.files import delete_files, live_files, partition_path
+from partfin_assets.iceberg.files import WHOLE_TABLE, delete_files, live_files, partition_path, write_data_files
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.jobs.conflicts import CommitConflictError, find_conflict
 from partfin_assets.model import summary_keys as K
@@ -78,6 +76,7 @@ class Job:
     start_spec_id: int
     start_sequence_number: int | None = None  # decides what came after the start should expiry cut the chain
     partitions: set[str] = field(default_factory=set)
+    expected_properties: dict[str, str | None] = field(default_factory=dict)  # compare-and-set on commit
     written: list[str] = field(default_factory=list)
     before_commit: list[Hook] = field(default_factory=list)
     committed: JobResult | None = None
@@ -124,26 +123,24 @@ class Job:
     def target_files(self, files: Iterable[DataFile]) -> None:
         self.partitions.update(partition_path(self.table.metadata, f) for f in files)
 
+    def expect_properties(self, expected: Mapping[str, str | None]) -> None:
+        """Commit only while these table properties still hold these values (None: absent).
+
+        A compare-and-set on what the job's result depends on beyond its partitions (the upsert:
+        the CDC position base.<table> has merged up to); a changed value is a CommitConflictError.
+        """
+        self.expected_properties.update(expected)
+
     # ---- write side
 
     def write(self, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> list[DataFile]:
         """Write rows as data files of this table (partitioned by its spec); registered for cleanup."""
         if rows.num_rows == 0:
             return []
-        metadata = self.table.metadata
-        if target_file_size_bytes is not None:
-            metadata = metadata.model_copy(
-                update={"properties": {**metadata.properties, "write.target-file-size-bytes": str(target_file_size_bytes)}}
-            )
-        rows = rows.cast(self.table.schema().as_arrow())
         files: list[DataFile] = []
-        try:
-            for data_file in _dataframe_to_data_files(metadata, rows, self.table.io, write_uuid=uuid.uuid4(), counter=itertools.count()):
-                files.append(data_file)
-                self.written.append(data_file.file_path)
-        except BaseException:
-            # files written before the failure are registered already; the caller's exit aborts
-            raise
+        for data_file in write_data_files(self.table, rows.cast(self.table.schema().as_arrow()), target_file_size_bytes=target_file_size_bytes):
+            files.append(data_file)
+            self.written.append(data_file.file_path)  # registered at once: a failure later still cleans it up
         return files
 
     def abort(self) -> None:
@@ -169,6 +166,16 @@ class Job:
 
     def check(self, table: Table) -> None:
         """Raise CommitConflictError if `table` (a fresh head) conflicts with this job."""
+        for key, expected in self.expected_properties.items():
+            found = table.properties.get(key)
+            if found != expected:
+                head = table.metadata.current_snapshot()
+                summary = summary_of(head) if head is not None else {}
+                raise CommitConflictError(
+                    self.identifier, self.kind, self.job_id, sorted(self.partitions) or [WHOLE_TABLE],
+                    table.metadata.current_snapshot_id, summary.get(K.JOB_ID) or summary.get(K.COMMIT_ID),
+                    summary.get(K.JOB_KIND), f"table property {key} is now {found!r}; the job read {expected!r}",
+                )
         if self.kind not in FAILING_KINDS:
             return
         conflict = find_conflict(
@@ -229,15 +236,25 @@ class Job:
 
         return self.commit(stage, summary=summary)
 
-    def commit_replace(self, remove: list[DataFile], add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
-        """UPDATE/DELETE or MERGE: replace the files read at the start snapshot, if no one touched their partitions."""
+    def commit_replace(
+        self,
+        remove: list[DataFile],
+        add: list[DataFile],
+        summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None,
+        *,
+        properties: Mapping[str, str] | None = None,
+    ) -> JobResult:
+        """UPDATE/DELETE or MERGE: replace the files read at the start snapshot, if no one touched their partitions.
+
+        `properties` are set in the same commit; with them the job commits even when no file changes.
+        """
         if self.kind not in FAILING_KINDS:
             raise ValueError(f"commit_replace is for UPDATE/DELETE and MERGE jobs, not {self.kind.value}")
         self.target_files(remove)
         self.target_files(add)
 
         def stage(head, tx, snapshot_summary):
-            return _stage_file_swap(tx, snapshot_summary, remove, add)
+            return _stage_file_swap(tx, snapshot_summary, remove, add, properties)
 
         return self.commit(stage, summary=summary)
 
@@ -255,24 +272,18 @@ class Job:
         return self.commit(stage, summary=summary)
 
 
-def retry_on_conflict(run: Callable[[], object], *, max_attempts: int = 5, on_conflict: Callable[[CommitConflictError, int], None] | None = None):
-    """Run a job function again from a fresh snapshot while it fails with CommitConflictError (bounded)."""
-    for attempt in range(1, max_attempts + 1):
-        try:
-            return run()
-        except CommitConflictError as exc:
-            if attempt == max_attempts:
-                raise
-            log.info("%s (attempt %d of %d); re-running from a fresh snapshot", exc, attempt, max_attempts)
-            if on_conflict is not None:
-                on_conflict(exc, attempt)
-    raise AssertionError("unreachable")
+def _stage_file_swap(
+    tx: Transaction, snapshot_summary: dict[str, str], remove: list[DataFile], add: list[DataFile],
+    properties: Mapping[str, str] | None = None,
+) -> bool:
+    """Stage one overwrite snapshot that removes and adds whole data files (and sets `properties`).
 
-
-def _stage_file_swap(tx: Transaction, snapshot_summary: dict[str, str], remove: list[DataFile], add: list[DataFile]) -> bool:
-    """Stage one overwrite snapshot that removes and adds whole data files; False when there is nothing to swap."""
-    if not remove and not add:
+    False when there is nothing to commit at all.
+    """
+    if not remove and not add and not properties:
         return False
+    if properties:
+        tx.set_properties(dict(properties))
     with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
         for data_file in remove:
             overwrite.delete_data_file(data_file)

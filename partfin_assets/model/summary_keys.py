@@ -41,6 +41,13 @@ REPLAY_ADDED_RECORDS = "partfin.replay.added-records"  # records new to the hour
 REPLAY_REMOVED_RECORDS = "partfin.replay.removed-records"  # records gone from the hour
 REPLAY_EVENT_TIME_MIN = "partfin.replay.event-time.min"
 REPLAY_EVENT_TIME_MAX = "partfin.replay.event-time.max"
+# the upsert into base.<table> (jobs/upsert): what one run merged
+UPSERT_CDC_SNAPSHOTS = "partfin.upsert.cdc-snapshots"
+UPSERT_INSERTED = "partfin.upsert.inserted"
+UPSERT_UPDATED = "partfin.upsert.updated"
+UPSERT_DELETED = "partfin.upsert.deleted"
+UPSERT_STALE = "partfin.upsert.stale"
+UPSERT_HOURS = "partfin.upsert.hours-touched"  # JSON list of hours (ISO Z) whose visible rows changed
 # privacy delete (jobs/privacy.py): never the keys themselves, only the request
 PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
 PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"
@@ -50,6 +57,10 @@ PROP_WATERMARK = "partfin.watermark"
 PROP_WATERMARK_POLICY = "partfin.watermark.policy"
 PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
+PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
+
+# snapshot refs
+MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> merged up to (expiry keeps it)
 
 
 # values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)

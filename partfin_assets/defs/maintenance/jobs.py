@@ -9,8 +9,8 @@
 - `maintain_<table>` (schedule daily, on by default): snapshot expiry, then orphan-file removal
   of both tables (files younger than `orphan_min_age_seconds` are never deleted).
 
-Every op that can lose a race (CommitConflictError, UpsertConflict) is retried from a fresh
-snapshot, bounded (defs/retry.py). Runs carry `partfin/maintenance: <table>` (compaction and
+Every op that can lose a race (CommitConflictError) is retried from a fresh snapshot, bounded
+(the one policy of jobs/retry.py, as step retries: defs/retry.py). Runs carry `partfin/maintenance: <table>` (compaction and
 maintenance of a table never overlap) or `partfin/privacy: <table>`, limited to 1 in dagster.yaml.
 """
 

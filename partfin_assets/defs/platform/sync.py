@@ -4,7 +4,7 @@ Both layers are stream-fed and hourly partitioned: the sync job's ops report, pe
 materialization for every hour partition the commit touched (records, event-time
 min/max/p50/p99, watermark, late records, lag, finalized). base/<table> is an asset spec;
 cdc/<table> is an executable asset whose own materialization replays an hour from the source
-(defs/platform/replay.py). A conflict of the upsert (UpsertConflict) retries the upsert op.
+(defs/platform/replay.py). A conflict of the upsert (CommitConflictError) retries the upsert op.
 """
 
 import time
@@ -138,7 +138,7 @@ def build_sync_job(table: PartfinTable):
 
         iceberg = catalog.load()
         ensure_base_table(iceberg, table.spec)
-        with retry_on_conflict(context, f"upsert into base.{name}"):  # UpsertConflict: re-plan from a fresh snapshot
+        with retry_on_conflict(context, f"upsert into base.{name}"):  # a new job: re-planned from a fresh snapshot
             result = run_upsert(iceberg, name)
         context.log.info(result.describe())
         if result.base_snapshot_id is None:

@@ -1,0 +1,143 @@
+"""One upsert run: plan, decode, merge, commit, as one UPDATE/DELETE job on base.<table>.
+
+A run that loses a race raises `CommitConflictError` and leaves nothing behind; running it
+again (the jobs layer's one retry policy, jobs/retry.py) recomputes from fresh data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.jobs.job import Hook, Job
+from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
+from partfin_assets.jobs.upsert.decode import decode_changes, winners
+from partfin_assets.jobs.upsert.merge import merge_changes
+from partfin_assets.jobs.upsert.plan import merged_source_snapshot_id, plan_upsert
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.testing.faults import crash_point
+
+CrashHook = Callable[[str], None]  # called with "after-read", "after-files", "after-commit" (tests)
+
+
+@dataclass(frozen=True)
+class UpsertResult:
+    table: str
+    cdc_snapshot_ids_merged: list[int]  # oldest first
+    cdc_snapshot_id: int | None  # the CDC snapshot the base table is now merged up to
+    base_snapshot_id: int | None  # None when nothing changed
+    inserted: int
+    updated: int
+    deleted: int
+    watermark: str | None  # base watermark after this run
+    hours_touched: list[str]  # hours (ISO Z) of `_event_time` of rows that appeared, changed or disappeared
+    changes_read: int = 0
+    stale: int = 0  # keys whose newest change in this run is older than the base row (late, superseded): ignored
+    full_remerge: bool = False
+    buckets_rewritten: int = 0
+    files_removed: int = 0
+    files_added: int = 0
+    previous_cdc_snapshot_id: int | None = None
+    attempts: int = 1  # commit attempts (a commit that landed meanwhile in other buckets costs one)
+
+    @property
+    def changed(self) -> bool:
+        return self.base_snapshot_id is not None
+
+    def describe(self) -> str:
+        if not self.cdc_snapshot_ids_merged and self.base_snapshot_id is None:
+            return (
+                f"base.{self.table}: up to date with cdc.{self.table} snapshot {self.cdc_snapshot_id} "
+                f"(watermark {self.watermark or '-'}); nothing merged"
+            )
+        ids = self.cdc_snapshot_ids_merged
+        shown = ", ".join(str(i) for i in ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
+        if self.previous_cdc_snapshot_id is None:
+            mode = "first merge"
+        elif self.full_remerge:
+            mode = "full re-merge (previous position no longer available)"
+        else:
+            mode = "incremental"
+        hours = (
+            f"{self.hours_touched[0]} .. {self.hours_touched[-1]} ({len(self.hours_touched)} hour(s))"
+            if self.hours_touched
+            else "none"
+        )
+        lines = [
+            f"base.{self.table}: merged {len(ids)} CDC snapshot(s) of cdc.{self.table} [{shown}], {mode}",
+            f"  merged up to CDC snapshot: {self.cdc_snapshot_id} (previous: {self.previous_cdc_snapshot_id or '-'})",
+            f"  changes read: {self.changes_read} (stale, ignored: {self.stale})",
+            f"  rows: {self.inserted} inserted, {self.updated} updated, {self.deleted} deleted",
+            f"  base snapshot: {self.base_snapshot_id} "
+            f"({self.buckets_rewritten} bucket(s) rewritten: {self.files_removed} file(s) out, {self.files_added} in)",
+            f"  base watermark: {self.watermark or '-'}",
+            f"  hours touched: {hours}",
+        ]
+        return "\n".join(lines)
+
+
+def run_upsert(
+    catalog: Catalog,
+    name: str,
+    *,
+    job_id: str | None = None,
+    before_commit: Hook | None = None,
+    crash_hook: CrashHook | None = None,
+) -> UpsertResult:
+    """One incremental merge of cdc.<name> into base.<name> (see the package docstring).
+
+    Raises CommitConflictError when base.<name> changed in a way that conflicts (DESIGN §6).
+    """
+    cdc = load_existing_table(catalog, f"cdc.{name}", "ingest into it first (partfin ingest)")
+    spec = TableSpec.from_properties(name, cdc.properties)
+    ensure_base_table(catalog, spec)
+    with Job.start(catalog, spec.base_identifier, JobKind.UPDATE_DELETE, job_id=job_id, before_commit=before_commit) as job:
+        plan = plan_upsert(catalog, spec, job.table)
+        if plan is None:
+            source_id = merged_source_snapshot_id(job.table.properties)
+            sync_merged_tag(catalog, name)
+            return UpsertResult(
+                table=name, cdc_snapshot_ids_merged=[], cdc_snapshot_id=source_id, base_snapshot_id=None,
+                inserted=0, updated=0, deleted=0, watermark=job.table.properties.get(K.PROP_WATERMARK), hours_touched=[],
+                previous_cdc_snapshot_id=source_id,
+            )
+        changes = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
+        merge = merge_changes(plan, winners(spec, changes))
+        _crash("after-read", crash_hook)
+        new_files = job.write(merge.rows) if merge.rows is not None else []
+        _crash("after-files", crash_hook)
+        committed = commit_merge(job, plan, merge, new_files)
+    _crash("after-commit", crash_hook)
+    sync_merged_tag(catalog, name)
+    return UpsertResult(
+        table=name,
+        cdc_snapshot_ids_merged=plan.merged_ids,
+        cdc_snapshot_id=plan.cdc_snapshot.snapshot_id,
+        base_snapshot_id=committed.snapshot_id,
+        inserted=merge.inserted,
+        updated=merge.updated,
+        deleted=merge.deleted,
+        watermark=plan.watermark,
+        hours_touched=merge.hours,
+        changes_read=changes.height,
+        stale=merge.stale,
+        full_remerge=plan.full,
+        buckets_rewritten=merge.buckets_rewritten,
+        files_removed=len(merge.remove),
+        files_added=len(new_files),
+        previous_cdc_snapshot_id=plan.previous_source_id,
+        attempts=committed.attempts,
+    )
+
+
+def _crash(phase: str, hook: CrashHook | None) -> None:
+    if hook is not None:
+        hook(phase)
+    crash_point(f"upsert-{phase}")
