@@ -308,7 +308,7 @@ def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
     proc = dagster_processes.daemon(env, tmp_path / "daemon.log").start()
     try:
         dagster_processes.wait_for(
-            lambda: instance.get_backfill(backfill.backfill_id).status != BulkActionStatus.REQUESTED, 180,
+            lambda: instance.get_backfill(backfill.backfill_id).status != BulkActionStatus.REQUESTED, 600,  # 3 runs: minutes on a loaded machine
             "the backfill to finish", on_timeout=proc.log_tail,
         )
     finally:
