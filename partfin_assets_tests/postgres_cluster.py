@@ -6,7 +6,9 @@ root the cluster runs as the `postgres` system user.
 `settings` adds server settings (`name=value`). `fake_clock` runs the server -- and only the
 server, not pg_ctl -- under libfaketime (Debian: `faketime`) with that FAKETIME spec, e.g.
 `"@2026-11-01 00:55:00 x120"`: its clock starts at that time when the postmaster starts and
-runs 120 times faster, so commit timestamps cross hour boundaries within a test.
+runs 120 times faster, so commit timestamps cross hour boundaries within a test. `clock_file`
+instead reads the offset from a file on every clock call (libfaketime's FAKETIME_TIMESTAMP_FILE,
+e.g. `-30s`), so a test can step the server's clock back while it runs (a failover, an NTP step).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _as_cluster_user(command: list[str]) -> list[str]:
 
 @contextmanager
 def throwaway_cluster(
-    *, logical: bool = True, settings: Sequence[str] = (), fake_clock: str | None = None
+    *, logical: bool = True, settings: Sequence[str] = (), fake_clock: str | None = None, clock_file: Path | None = None
 ) -> Iterator[PostgresCluster]:
     bindir = postgres_bindir()
     if bindir is None:
@@ -91,10 +93,11 @@ def throwaway_cluster(
         options += ["-c wal_level=logical", "-c max_replication_slots=10", "-c max_wal_senders=10"]
     options += [f"-c {setting}" for setting in settings]
     # pg_ctl -w compares the start time in postmaster.pid with its own clock: under a fake clock, wait here
-    server = ["-W", "-p", _fake_clock_wrapper(root, bindir, fake_clock)] if fake_clock else ["-w"]
+    faked = fake_clock is not None or clock_file is not None
+    server = ["-W", "-p", _fake_clock_wrapper(root, bindir, fake_clock, clock_file)] if faked else ["-w"]
     _run(_as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data_dir), "-l", str(root / "server.log"), *server,
                            "-o", " ".join(options), "start"]))
-    pid = _wait_ready(data_dir, root / "server.log") if fake_clock else int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    pid = _wait_ready(data_dir, root / "server.log") if faked else int((data_dir / "postmaster.pid").read_text().splitlines()[0])
     try:
         yield PostgresCluster("127.0.0.1", port, user, data_dir, pid)
     finally:
@@ -130,15 +133,19 @@ def libfaketime() -> Path | None:
     return None
 
 
-def _fake_clock_wrapper(root: Path, bindir: Path, spec: str) -> str:
+def _fake_clock_wrapper(root: Path, bindir: Path, spec: str | None, clock_file: Path | None = None) -> str:
     """An executable that starts `postgres` under libfaketime (pg_ctl -p), so pg_ctl keeps the real clock."""
     library = libfaketime()
     if library is None:
         raise RuntimeError("libfaketime not found: install Debian's faketime package (apt-get install faketime)")
+    if clock_file is not None:
+        clock = f"FAKETIME_TIMESTAMP_FILE={shlex.quote(str(clock_file))} FAKETIME_NO_CACHE=1"
+    else:
+        clock = f"FAKETIME={shlex.quote(spec or '+0')}"
     wrapper = root / "postgres-faketime"
     wrapper.write_text(
         "#!/bin/sh\n"
-        f"export LD_PRELOAD={shlex.quote(str(library))} FAKETIME={shlex.quote(spec)}\n"
+        f"export LD_PRELOAD={shlex.quote(str(library))} {clock}\n"
         f'exec {shlex.quote(str(bindir / "postgres"))} "$@"\n'
     )
     wrapper.chmod(0o755)

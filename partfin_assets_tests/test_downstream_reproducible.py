@@ -1,0 +1,139 @@
+"""Reproducible downstream runs (issue 10 §6): the run of hour H reads base at the snapshot named by H's
+finalization (or amendment) event, whenever it runs; a re-run for late data reads the snapshot that carried it.
+
+In process, as Dagster runs it: the sync job, the finalization sensor (its asset events recorded as the daemon
+records them), partfin's own downstream asset `activity/orders_hourly` and the downstream team's example
+asset `revenue_team/orders_revenue_hourly`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, build_sensor_context
+
+from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets_tests.scenario_helpers import append_lines, change, hour_of_changes, ms
+from partfin_assets_tests.test_dagster_downstream_example import load_example
+
+HOURS = ["2026-11-01T00:00:00Z", "2026-11-01T01:00:00Z", "2026-11-01T02:00:00Z", "2026-11-01T03:00:00Z"]
+H1_KEY = "2026-11-01-01:00"
+FINALIZED, ACTIVITY = AssetKey(["finalized", "orders"]), AssetKey(["activity", "orders_hourly"])
+
+
+class Pipeline:
+    """partfin's definitions over a Debezium file of `orders`, one ephemeral instance, the example location."""
+
+    def __init__(self, path, instance):
+        from partfin_assets.defs import build_definitions
+        from partfin_assets.defs.tables import PartfinTable
+
+        spec = dataclasses.replace(ORDERS_SPEC, watermark_policy="min-of-last:2")
+        self.path = path
+        self.instance = instance
+        self.defs = build_definitions([PartfinTable(spec=spec, source=f"debezium:{path}")])
+        self.example = load_example()
+        self.cursor = None
+
+    def sync(self) -> None:
+        assert self.defs.resolve_job_def("sync_orders").execute_in_process(instance=self.instance).success
+
+    def finalization_tick(self):
+        """One tick of finalize_orders_sensor; its asset events are recorded as the daemon records them."""
+        sensor = self.defs.resolve_sensor_def("finalize_orders_sensor")
+        resources = self.defs.get_repository_def().get_top_level_resources()
+        with build_sensor_context(instance=self.instance, cursor=self.cursor, resources=resources) as ctx:
+            result = sensor(ctx)
+        for event in result.asset_events or []:
+            self.instance.report_runless_asset_event(event)
+        self.cursor = result.cursor
+        return result
+
+    def activity(self, partition_key: str, tags: dict | None = None) -> dict:
+        job = self.defs.resolve_job_def("activity_orders_job")
+        result = job.execute_in_process(instance=self.instance, partition_key=partition_key, tags=tags or {})
+        assert result.success
+        (event,) = result.get_asset_materialization_events()
+        return {k: v.value for k, v in event.materialization.metadata.items()}
+
+    def revenue(self, partition_key: str) -> dict:
+        job = self.example.defs.resolve_job_def("orders_revenue_hourly_job")
+        result = job.execute_in_process(instance=self.instance, partition_key=partition_key)
+        assert result.success
+        (event,) = result.get_asset_materialization_events()
+        return {k: v.value for k, v in event.materialization.metadata.items()}
+
+    def events(self, partition_key: str) -> list[dict]:
+        records = self.instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=FINALIZED, asset_partitions=[partition_key]), limit=100, ascending=True
+        ).records
+        return [{k: v.value for k, v in r.event_log_entry.asset_materialization.metadata.items()} for r in records]
+
+
+@pytest.fixture
+def pipeline(tmp_path, monkeypatch):
+    path = tmp_path / "orders.jsonl"
+    for n, hour in enumerate(HOURS):
+        append_lines(path, hour_of_changes(hour, range(100 * n + 1, 100 * n + 21), minute_step=2.5, status="paid"))
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PARTFIN_SOURCE", raising=False)
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", "2026-11-01-00:00")
+    monkeypatch.setenv("PARTFIN_MAX_RECORDS", "10")
+    with DagsterInstance.ephemeral() as instance:
+        yield Pipeline(path, instance)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §6: the downstream run of H reads the current base table")
+def test_downstream_hour_reads_base_at_its_finalization_snapshot(pipeline):
+    """Before: a run of H1 after a row of H1 was updated later (its newest change now in H3) saw 19 rows, not 20,
+    and the example's revenue dropped from 200.0 to 190.0: the result depended on when the run happened."""
+    pipeline.sync()
+    first_tick = pipeline.finalization_tick()
+    request = {r.partition_key: r for r in first_tick.run_requests}[H1_KEY]
+    (finalization,) = pipeline.events(H1_KEY)
+    first = pipeline.activity(H1_KEY, request.tags)
+    revenue_first = pipeline.revenue(H1_KEY)
+    assert first["rows"] == 20 and revenue_first["revenue"] == 200.0
+
+    # later: order 101 (an H1 row) changes at 03:10; its newest version now belongs to hour 03:00
+    append_lines(pipeline.path, [change("u", 101, ms(HOURS[3]) + 10 * 60_000, status="shipped")])
+    pipeline.sync()
+    retry = pipeline.activity(H1_KEY, request.tags)  # what a run retry gets: the original run's tags
+    later = pipeline.activity(H1_KEY)  # a manual run of the partition, days later
+    revenue_later = pipeline.revenue(H1_KEY)
+    print(f"downstream H1: rows {first['rows']} -> retry {retry['rows']}, later run {later['rows']}; "
+          f"revenue {revenue_first['revenue']} -> {revenue_later['revenue']}")
+    assert retry["rows"] == later["rows"] == first["rows"] == 20
+    assert revenue_later["revenue"] == revenue_first["revenue"]
+    for result in (first, retry, later):  # each materialization records the snapshot it read
+        assert result["base_snapshot_id"] == finalization["base_snapshot_id"]
+    assert revenue_later["base_snapshot_id"] == finalization["base_snapshot_id"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §6: no amendment event; a re-run for late data reads the current base")
+def test_rerun_for_late_data_reads_the_snapshot_that_carried_it(pipeline):
+    """Late records for H1 arrive after H1 was final. The finalization sensor records an amendment of H1 naming
+    the base snapshot that carried them and requests a re-run; that run (and any retry or later run) reads
+    exactly that snapshot: the late rows, and nothing that changed after."""
+    pipeline.sync()
+    pipeline.finalization_tick()
+    assert pipeline.activity(H1_KEY)["rows"] == 20
+
+    append_lines(pipeline.path, [change("c", 5000 + i, ms(HOURS[1]) + (30 + i) * 60_000, status="paid") for i in range(2)])
+    pipeline.sync()
+    tick = pipeline.finalization_tick()
+    (rerun,) = [r for r in tick.run_requests if r.partition_key == H1_KEY]
+    finalization, amendment = pipeline.events(H1_KEY)
+    assert amendment["amendment"] is True and amendment["late_records"] == 2
+    assert amendment["base_snapshot_id"] != finalization["base_snapshot_id"]
+    amended = pipeline.activity(H1_KEY, rerun.tags)
+    assert amended["rows"] == 22 and amended["base_snapshot_id"] == amendment["base_snapshot_id"]
+
+    # base moves on (an H1 row updated in H3); the re-run's retry and a later manual run still read the amendment
+    append_lines(pipeline.path, [change("u", 105, ms(HOURS[3]) + 20 * 60_000, status="shipped")])
+    pipeline.sync()
+    assert not [r for r in pipeline.finalization_tick().run_requests if r.partition_key == H1_KEY]  # not late data
+    for result in (pipeline.activity(H1_KEY, rerun.tags), pipeline.activity(H1_KEY)):
+        assert result["rows"] == 22 and result["base_snapshot_id"] == amendment["base_snapshot_id"]
+    assert pipeline.revenue(H1_KEY)["revenue"] == 220.0

@@ -1,0 +1,271 @@
+"""Replays reproduce, never invent (issue 10 §3): what a replay of hour H reads, and what it may remove.
+
+Each test is a scenario as an operator meets it: `partfin ingest` as a real process, then a replay
+of the hour as Dagster runs it (a materialization of partition H of `cdc/<table>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pyarrow.compute as pc
+import pytest
+from dagster import AssetKey, DagsterEventType, DagsterInstance, RunConfig
+
+from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.core.commit import JobKind
+from partfin_assets.core.conflicts import Job
+from partfin_assets.core.maintenance import Retention
+from partfin_assets.core.partitions import hour_key, watermark_of
+from partfin_assets.core.replay import replay_hour
+from partfin_assets.core.sink import CdcWriter
+from partfin_assets.core.tablespec import TableSpec
+from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
+from partfin_assets.defs import devtools
+from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+from partfin_assets_tests.scenario_helpers import append_lines, change, hour_of_changes, ms, partfin
+
+CDC = AssetKey(["cdc", "orders"])
+FILE_SPEC = dataclasses.replace(ORDERS_SPEC, watermark_policy="min-of-last:2")
+HOURS = ["2026-11-01T00:00:00Z", "2026-11-01T01:00:00Z", "2026-11-01T02:00:00Z", "2026-11-01T03:00:00Z"]
+H0_KEY = "2026-11-01-00:00"
+
+
+def hour_rows(catalog, hour_us: int) -> list[tuple[str, int]]:
+    """(key, source_seq) of every record of the hour in cdc.orders, duplicates kept."""
+    rows = catalog.load_table("cdc.orders").scan().to_arrow()
+    times = pc.cast(rows.column("event_time"), "int64")
+    rows = rows.filter(pc.and_(pc.greater_equal(times, hour_us), pc.less(times, hour_us + US_PER_HOUR)))
+    return sorted(zip(rows.column("key").to_pylist(), rows.column("source_seq").to_pylist()))
+
+
+def replay_in_dagster(defs, instance, partition_key: str, *, force: bool = False):
+    config = RunConfig(ops={"cdc__orders": {"config": {"force": True}}}) if force else None
+    return defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key=partition_key, asset_selection=[CDC], run_config=config, raise_on_error=False
+    )
+
+
+def failure_message(result) -> str:
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    data = failure.event_specific_data
+    return f"{data.error.message if data.error else ''} {data.user_failure_data.description if data.user_failure_data else ''}"
+
+
+def replay_figures(result) -> dict:
+    (event,) = result.get_asset_materialization_events()
+    meta = event.materialization.metadata
+    return {name: meta[name].value for name in ("records", "replaced_records", "added_records", "removed_records")}
+
+
+@pytest.fixture
+def file_table(tmp_path, monkeypatch):
+    """A Debezium file of four hours of `orders` inserts, ingested by `partfin ingest`; Dagster definitions over it."""
+    path = tmp_path / "orders.jsonl"
+    key = 1
+    for hour in HOURS:
+        append_lines(path, hour_of_changes(hour, range(key, key + 30), minute_step=2))
+        key += 30
+    home = tmp_path / "home"
+    monkeypatch.setenv("PARTFIN_HOME", str(home))
+    monkeypatch.delenv("PARTFIN_SOURCE", raising=False)
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", "2026-11-01-00:00")
+    monkeypatch.setenv("PARTFIN_MAX_RECORDS", "10")
+    ingest = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--primary-key", "id",
+                     "--checkpoint-records", "10")
+    assert ingest.returncode == 0, ingest.stderr
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+
+    defs = build_definitions([PartfinTable(spec=FILE_SPEC, source=f"debezium:{path}")])
+    catalog = load_partfin_catalog(home)
+    assert watermark_of(catalog.load_table("cdc.orders").properties) >= T0_US + 3 * HOUR_US  # H0..H2 final
+    instance = DagsterInstance.ephemeral()
+    yield path, home, defs, instance, catalog
+    instance.dispose()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: a synthetic replay regenerates the stream from a new anchor")
+@pytest.mark.timeout(300)
+def test_synthetic_replay_an_hour_later_reproduces_the_hour(tmp_path):
+    """`partfin ingest` of a synthetic stream now; an hour later an operator replays two finalized hours with
+    `dagster asset materialize` (run under libfaketime one hour ahead). Each hour must come back as it was.
+    Before: the replay regenerated the stream from a new anchor: the hour inside the window was replaced by
+    unrelated records, the oldest hour (now outside the window) wiped to 0."""
+    home, dagster_home = tmp_path / "home", tmp_path / "dagster"
+    spec = "synthetic:hours=3,rate=1,idle_every=off,late_fraction=0,seed=5"
+    ingest = partfin(home, "ingest", "--table", "orders", "--source", spec, "--checkpoint-records", "500")
+    assert ingest.returncode == 0, ingest.stderr
+    catalog = load_partfin_catalog(home)
+    times = pc.cast(catalog.load_table("cdc.orders").scan(selected_fields=("event_time",)).to_arrow().column("event_time"), "int64")
+    oldest = floor_hour_us(pc.min(times).as_py())  # the stream's anchor hour
+    inside = oldest + US_PER_HOUR
+    watermark = watermark_of(catalog.load_table("cdc.orders").properties)
+    assert watermark >= inside + US_PER_HOUR, "both hours must be final"
+    before = {hour: hour_rows(catalog, hour) for hour in (oldest, inside)}
+    assert all(before.values())
+
+    env = devtools.dagster_env(home, dagster_home, PARTFIN_SOURCE=spec, PARTFIN_PARTITIONS_START=hour_key(oldest),
+                               PARTFIN_SENSORS="", PARTFIN_SCHEDULES="")
+    figures = {}
+    for hour in (inside, oldest):
+        replay = subprocess.run(
+            ["faketime", "-f", "+1h", devtools.bin_path("dagster"), "asset", "materialize", "-m", "partfin_assets.definitions",
+             "--select", "cdc/orders", "--partition", hour_key(hour)],
+            cwd=devtools.REPO, env=env, capture_output=True, text=True, timeout=240,
+        )
+        assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+        after = hour_rows(catalog, hour)
+        figures[iso_z(hour)] = {"before": len(before[hour]), "after": len(after),
+                                "kept": len(set(before[hour]) & set(after))}
+    print("synthetic replay an hour later:", json.dumps(figures))
+    for hour in (inside, oldest):
+        assert hour_rows(catalog, hour) == before[hour], figures
+
+
+@pytest.fixture
+def pg_database(postgres):
+    name = f"pf_{uuid.uuid4().hex[:10]}"
+    postgres.create_database(name)
+    yield name
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)).fetchall():
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: a postgres: replay reads the slot, which holds only what was not ingested")
+def test_postgres_replay_is_refused_and_the_hour_stays(postgres, pg_database, tmp_path, monkeypatch):
+    """A replication slot holds only changes not yet ingested: a replay of an hour cannot re-read it.
+    Before: the replay read an empty slot and OVERWROTE the hour with nothing (the hour deleted).
+    Wanted: refused with a message saying what to do instead; the hour and the slot untouched."""
+    dsn = postgres.dsn(pg_database)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id bigint PRIMARY KEY, user_id bigint, amount float8, status text)")
+        home = tmp_path / "home"
+        assert partfin(home, "ingest", "--table", "orders", "--source", f"postgres:{dsn}").returncode == 0  # creates the slot
+        for i in range(1, 41):
+            conn.execute("INSERT INTO orders VALUES (%s, %s, %s, 'new')", (i, i % 7, i * 1.5))
+        ingest = partfin(home, "ingest", "--table", "orders", "--source", f"postgres:{dsn}")
+        assert ingest.returncode == 0, ingest.stderr
+        slot_before = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'partfin_orders'").fetchone()
+    catalog = load_partfin_catalog(home)
+    times = pc.cast(catalog.load_table("cdc.orders").scan().to_arrow().column("event_time"), "int64")
+    hour = floor_hour_us(pc.max(times).as_py())
+    before = hour_rows(catalog, hour)
+    assert before
+
+    monkeypatch.setenv("PARTFIN_HOME", str(home))
+    monkeypatch.delenv("PARTFIN_SOURCE", raising=False)
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", hour_key(hour - 24 * US_PER_HOUR))
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+
+    spec = TableSpec("orders", ("id",), dict(ORDERS_SPEC.columns))
+    defs = build_definitions([PartfinTable(spec=spec, source=f"postgres:{dsn}")])
+    with DagsterInstance.ephemeral() as instance:
+        result = replay_in_dagster(defs, instance, hour_key(hour), force=True)  # the hour is open: force past that guard
+        after = hour_rows(catalog, hour)
+        print(f"postgres replay of {iso_z(hour)}: {len(before)} records before, {len(after)} after; success={result.success}")
+        assert not result.success
+        message = failure_message(result)
+    assert "replication slot" in message and "partfin_orders" in message and "cannot" in message
+    assert after == before
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'partfin_orders'").fetchone() == slot_before
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: a replay reads the whole file, past what the writer committed")
+def test_replay_reads_only_what_the_writer_committed(file_table):
+    """Late lines for H0 were appended to the file but not ingested yet. A replay of H0 must not take them
+    (the writer will): before, the replay added them and the writer's next run added them again (doubled)."""
+    path, home, defs, instance, catalog = file_table
+    before = hour_rows(catalog, T0_US)
+    append_lines(path, [change("c", 1000 + i, ms(HOURS[0]) + 59 * 60_000 + i) for i in range(5)])  # late, not ingested
+    result = replay_in_dagster(defs, instance, H0_KEY)
+    assert result.success, failure_message(result)
+    figures = replay_figures(result)
+    ingest = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--checkpoint-records", "10")
+    assert ingest.returncode == 0, ingest.stderr
+    after = hour_rows(catalog, T0_US)
+    doubled = sum(n - 1 for n in Counter(after).values() if n > 1)
+    print(f"replay of H0 past the writer's position: {figures}; after the writer's next run {len(after)} records, {doubled} doubled")
+    assert figures["added_records"] == 0 and figures["removed_records"] == 0
+    assert doubled == 0 and len(after) == len(before) + 5
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: the replay's OVERWRITE replaces records the writer committed after it read")
+def test_replay_racing_the_writer_keeps_the_late_records(file_table, monkeypatch):
+    """While a replay of H0 runs (it has read the source, not committed yet), late lines for H0 arrive and
+    `partfin ingest` commits them. The replay must not remove them (before: it replaced H0 by what it had read,
+    and the writer, already past those lines, never re-read them: lost for good)."""
+    path, home, defs, instance, catalog = file_table
+    before = hour_rows(catalog, T0_US)
+    late = [change("c", 2000 + i, ms(HOURS[0]) + 58 * 60_000 + i) for i in range(5)]
+
+    def writer_commits_late_records(job):
+        append_lines(path, late)
+        ingest = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--checkpoint-records", "10")
+        assert ingest.returncode == 0, ingest.stderr
+        assert len(hour_rows(catalog, T0_US)) == len(before) + 5
+
+    original = Job.start.__func__
+
+    def start_with_race(cls, catalog_, identifier, kind, **kwargs):
+        job = original(cls, catalog_, identifier, kind, **kwargs)
+        if JobKind(kind) == JobKind.OVERWRITE:
+            job.before_commit.append(writer_commits_late_records)  # after the replay read the source
+        return job
+
+    monkeypatch.setattr(Job, "start", classmethod(start_with_race))
+    result = replay_in_dagster(defs, instance, H0_KEY)
+    after = hour_rows(catalog, T0_US)
+    again = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--checkpoint-records", "10")
+    assert again.returncode == 0, again.stderr
+    final = hour_rows(catalog, T0_US)
+    print(f"replay racing the writer: H0 {len(before)} + 5 late -> {len(after)} after the replay "
+          f"(success={result.success}), {len(final)} after the writer's next run")
+    assert len(final) == len(before) + 5 and Counter(final) == Counter(before + [(r, s) for r, s in final if (r, s) not in before])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: a replay reads whatever file is at the path now")
+def test_replay_of_a_changed_file_is_refused(file_table):
+    """The file at the source path is no longer the one the writer read (replaced by another export).
+    Before: the replay read the new file and replaced H0 by its records (fabricated)."""
+    path, home, defs, instance, catalog = file_table
+    before = hour_rows(catalog, T0_US)
+    path.rename(path.with_suffix(".old"))
+    append_lines(path, hour_of_changes(HOURS[0], range(500, 540), minute_step=1.5))
+    result = replay_in_dagster(defs, instance, H0_KEY)
+    after = hour_rows(catalog, T0_US)
+    print(f"replay of H0 from a replaced file: {len(before)} records before, {len(after)} after "
+          f"({len(set(before) & set(after))} kept); success={result.success}")
+    assert not result.success
+    assert str(path) in failure_message(result)
+    assert after == before
+
+
+@pytest.mark.xfail(strict=True, reason="issue 10 §3: an OVERWRITE removing far more than it adds needs force")
+def test_overwrite_removing_far_more_than_it_adds_needs_force(catalog):
+    """replay_hour (the OVERWRITE job) given only 5 of an hour's 100 records refuses unless forced."""
+    writer = CdcWriter(catalog, ORDERS, retention=Retention(keep_last=1000))
+    for i in range(5):
+        writer.write_checkpoint(change_batch(T0_US + np.arange(20) * MINUTE_US // 2 + i * 10 * MINUTE_US, offset=f"a{i}", seq_start=i * 20))
+    for h in range(1, 4):
+        writer.write_checkpoint(change_batch(T0_US + h * HOUR_US + np.arange(10) * MINUTE_US, offset=f"b{h}", seq_start=1000 + h * 10))
+    writer.close()
+    rows = catalog.load_table("cdc.orders").scan().to_arrow()
+    some = rows.filter(pc.less(rows.column("source_seq"), 5))
+    with pytest.raises(Exception, match="force") as refused:
+        replay_hour(catalog, "orders", T0_US, some)
+    print(f"replay keeping 5 of 100 records: {refused.value}")
+    assert len(hour_rows(catalog, T0_US)) == 100
+    forced = replay_hour(catalog, "orders", T0_US, some, force=True)
+    assert (forced.removed_records, forced.added_records) == (95, 0) and len(hour_rows(catalog, T0_US)) == 5
