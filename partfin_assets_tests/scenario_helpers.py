@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from partfin_assets.core.timeutil import parse_iso, to_us
+from partfin_assets.model.timeutil import parse_iso, to_us
 
 ORDERS_COLUMNS = ("id", "user_id", "amount", "status")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.upsert import read_base
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.tables import read_base
 from partfin_assets_tests.scenario_helpers import append_lines, change, ms, partfin
 
 T = ms("2026-11-01T10:00:00Z")

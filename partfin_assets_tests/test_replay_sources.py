@@ -19,17 +19,18 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetKey, DagsterEventType, DagsterInstance, RunConfig
 
-from partfin_assets.core.catalog import load_partfin_catalog
-from partfin_assets.core.commit import JobKind
-from partfin_assets.core.conflicts import Job
-from partfin_assets.core.maintenance import Retention
-from partfin_assets.core.partitions import hour_key, watermark_of
-from partfin_assets.core.replay import replay_hour
-from partfin_assets.core.sink import CdcWriter
-from partfin_assets.core.tablespec import TableSpec
-from partfin_assets.core.timeutil import US_PER_HOUR, floor_hour_us, iso_z
-from partfin_assets.defs import devtools
+from partfin_assets.finalization.hours import hour_key
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.expiry import Retention
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.jobs.job import Job
+from partfin_assets.jobs.replay import replay_hour
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets.testing import dagster_processes
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 from partfin_assets_tests.scenario_helpers import append_lines, change, hour_of_changes, ms, partfin
 
@@ -113,14 +114,14 @@ def test_synthetic_replay_an_hour_later_reproduces_the_hour(tmp_path):
     before = {hour: hour_rows(catalog, hour) for hour in (oldest, inside)}
     assert all(before.values())
 
-    env = devtools.dagster_env(home, dagster_home, PARTFIN_SOURCE=spec, PARTFIN_PARTITIONS_START=hour_key(oldest),
+    env = dagster_processes.dagster_env(home, dagster_home, PARTFIN_SOURCE=spec, PARTFIN_PARTITIONS_START=hour_key(oldest),
                                PARTFIN_SENSORS="", PARTFIN_SCHEDULES="")
     figures = {}
     for hour in (inside, oldest):
         replay = subprocess.run(
-            ["faketime", "-f", "+1h", devtools.bin_path("dagster"), "asset", "materialize", "-m", "partfin_assets.definitions",
+            ["faketime", "-f", "+1h", dagster_processes.bin_path("dagster"), "asset", "materialize", "-m", "partfin_assets.definitions",
              "--select", "cdc/orders", "--partition", hour_key(hour)],
-            cwd=devtools.REPO, env=env, capture_output=True, text=True, timeout=240,
+            cwd=dagster_processes.REPO, env=env, capture_output=True, text=True, timeout=240,
         )
         assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
         after = hour_rows(catalog, hour)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 import pytest
 
-from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets_tests.scenario_helpers import append_lines, hour_of_changes, partfin
 
 
