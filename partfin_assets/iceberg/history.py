@@ -10,6 +10,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.stats import CommitStats, commit_stats
 from partfin_assets.model.timeutil import parse_iso, to_us
 
@@ -62,6 +63,16 @@ class WriterPosition:
     checkpoint_id: int
     source_offset: str | None
     snapshot_id: int
+    source: SourceIdentity | None = None  # the history that offset is a position in (None: recorded before partfin kept it)
+    writer_id: str | None = None
+
+
+def _position(snapshot: Snapshot, summary: Mapping[str, str]) -> WriterPosition:
+    identity = summary.get(K.SOURCE)
+    return WriterPosition(
+        int(summary[K.CHECKPOINT_ID]), summary.get(K.SOURCE_OFFSET), snapshot.snapshot_id,
+        SourceIdentity.from_json(identity) if identity else None, summary.get(K.WRITER_ID),
+    )
 
 
 def last_writer_position(metadata: TableMetadata, writer_id: str) -> WriterPosition | None:
@@ -69,7 +80,26 @@ def last_writer_position(metadata: TableMetadata, writer_id: str) -> WriterPosit
     for snapshot in lineage(metadata):
         summary = summary_of(snapshot)
         if summary.get(K.WRITER_ID) == writer_id and K.CHECKPOINT_ID in summary:
-            return WriterPosition(int(summary[K.CHECKPOINT_ID]), summary.get(K.SOURCE_OFFSET), snapshot.snapshot_id)
+            return _position(snapshot, summary)
+    return None
+
+
+def writer_positions(metadata: TableMetadata) -> list[WriterPosition]:
+    """The newest checkpoint of every writer of the table, newest first."""
+    found: dict[str, WriterPosition] = {}
+    for snapshot in lineage(metadata):
+        summary = summary_of(snapshot)
+        writer = summary.get(K.WRITER_ID)
+        if writer is not None and writer not in found and K.CHECKPOINT_ID in summary:
+            found[writer] = _position(snapshot, summary)
+    return list(found.values())
+
+
+def recorded_source(metadata: TableMetadata) -> SourceIdentity | None:
+    """The table's current source: the identity its newest checkpoint recorded (None: none recorded yet)."""
+    for position in writer_positions(metadata):
+        if position.source is not None:
+            return position.source
     return None
 
 

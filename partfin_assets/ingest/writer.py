@@ -25,7 +25,7 @@ from pyiceberg.table import Table
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files, write_data_files
-from partfin_assets.iceberg.history import last_writer_position, lineage, summary_of
+from partfin_assets.iceberg.history import last_writer_position, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
@@ -33,6 +33,7 @@ from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
+from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import EventTimeStats
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
@@ -84,6 +85,7 @@ class CdcWriter:
         position = last_writer_position(self.table.metadata, self.writer_id)
         self.last_checkpoint_id = position.checkpoint_id if position else 0
         self.resume_offset = position.source_offset if position else None
+        self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
         self._last_progress_us = self._last_committed_event_time_us()
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
         # with accumulators registered, each subtask's files are written on a thread of their own
@@ -115,6 +117,8 @@ class CdcWriter:
             K.CHECKPOINT_ID: str(checkpoint_id),
             K.SOURCE_OFFSET: batch.offset,
         }
+        if self.source_identity is not None:
+            base_summary[K.SOURCE] = self.source_identity.to_json()
         for acc in self.accumulators:
             base_summary.update(acc.summary(accumulated[acc.name]))
         if records.num_rows == 0 and heartbeat_us is not None:
@@ -273,21 +277,33 @@ class CdcWriter:
         A source with an `on_committed(offset)` method (e.g. a replication slot that may only
         move past committed changes) is told each offset once its checkpoint commit landed,
         before the next batch is asked for. Skipped and duplicate batches are not reported.
+
+        The source must read the history the table recorded (its identity, checked first:
+        SourceMismatch names the table's current source); each checkpoint records it again.
         """
+        identifier = self.spec.cdc_identifier
         committed = 0
         on_committed = getattr(source, "on_committed", None)
-        for batch in source.batches(self.resume_offset, max_records):
-            result = self.write_checkpoint(batch)
-            if result.snapshot_id is None and not result.duplicate:
-                continue
-            if on_committed is not None and result.snapshot_id is not None:
-                on_committed(batch.offset)
-            committed += 1
-            if on_checkpoint is not None:
-                on_checkpoint(result)
-            yield result
-            if max_checkpoints is not None and committed >= max_checkpoints:
-                return
+        self.source_identity = check_source(identifier, recorded_source(self.table.metadata), source, self.resume_offset)
+        try:
+            for batch in source.batches(self.resume_offset, max_records):
+                self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
+                result = self.write_checkpoint(batch)
+                if result.snapshot_id is None and not result.duplicate:
+                    continue
+                if on_committed is not None and result.snapshot_id is not None:
+                    on_committed(batch.offset)
+                committed += 1
+                if on_checkpoint is not None:
+                    on_checkpoint(result)
+                yield result
+                if max_checkpoints is not None and committed >= max_checkpoints:
+                    return
+        except SourceChanged as exc:
+            raise SourceChanged(
+                f"{identifier} cannot go on reading {self.source_identity.spec}: {exc}. Restore what it was reading, "
+                "or ingest the new source into a new table"
+            ) from None
 
 
 def route_by_key(records: pa.Table, subtasks: int) -> list[pa.Table]:

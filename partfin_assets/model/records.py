@@ -4,7 +4,9 @@ A source yields ChangeBatch objects: CDC records as Arrow, records it could not
 parse (to the rejected-records table, never dropped), an opaque resumable offset
 and an optional heartbeat time. The writer commits one checkpoint per batch and
 stores the batch's offset in that same commit, so a restarted source resumes
-from exactly what was committed.
+from exactly what was committed. Every source also names the history it reads
+(`identity`, model/source_identity.py), recorded with the offset; a source whose
+history can be read again (a generator, a file) reads it for replays (`history`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from datetime import datetime
 from typing import Protocol
 
 import pyarrow as pa
+
+from partfin_assets.model.source_identity import IdentifiedSource
 
 UTC_US = pa.timestamp("us", tz="UTC")
 
@@ -52,10 +56,19 @@ class ChangeBatch:
     heartbeat: datetime | None = None  # the source is complete up to this time
 
 
-class CdcSource(Protocol):
+class CdcSource(IdentifiedSource, Protocol):
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         """Yield batches of at most max_records records after start_offset (None: from the start).
 
-        Ends when the source is exhausted; a following source never ends.
+        Ends when the source is exhausted; a following source never ends. A source that no longer
+        holds what was read before start_offset (a file truncated or rotated) raises SourceChanged.
         """
+        ...
+
+
+class ReplayableSource(CdcSource, Protocol):
+    def history(self, until_offset: str, max_records: int) -> Iterator[pa.Table]:
+        """The records from the start of the history up to `until_offset` (what a writer committed
+        when it stood there), in batches of at most max_records; SourceChanged if the source no
+        longer holds exactly that history."""
         ...

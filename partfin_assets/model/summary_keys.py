@@ -23,6 +23,7 @@ LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": c
 # JSON {"<hour iso Z>": {"n", "min", "max", "p50", "p99" (iso Z), "c": [[mean_s, count], ...]}}
 EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
 REJECTED_RECORDS = "partfin.rejected-records"
+SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
 # the conflict layer (jobs/job.py, DESIGN §6)

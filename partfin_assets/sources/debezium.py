@@ -12,7 +12,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import date, timedelta
@@ -24,6 +26,7 @@ import pyarrow as pa
 
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, VALID_OPS, ChangeBatch
+from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
@@ -164,16 +167,26 @@ class DebeziumFileSource:
 
     The key columns are `primary_key` if given, else the spec's. Event time is
     `source.ts_ms`; `source_seq` is the 1-based line number. The offset is compact
-    JSON {"byte": position after the last consumed line, "line": its number}.
+    JSON {"byte": position after the last consumed line, "line": its number,
+    "crc32": of every byte before it, "tail_crc32": of the last (up to) 1 KiB before it}.
     Only newline-terminated lines are consumed, so a line still being written is
     read on a later pass. Wrapped tombstones (`"payload": null`, which Kafka emits
     after a delete) carry no change and are skipped; blank lines too.
+
+    The file is its history: its identity is its first line, and every read checks
+    that the bytes just before the position are still the ones read (SourceChanged
+    otherwise: the file was truncated, rotated or rewritten), so a resume never
+    starts inside a line of another file or waits silently behind a shorter one.
+    A replay reads the file from its start up to a committed offset and checks the
+    crc32 of all it read against the offset's.
 
     With follow=False the stream ends at the end of the file; with follow=True it
     polls every `poll_interval` seconds and, while nothing new arrives, yields an
     empty batch (no heartbeat: a file says nothing about completeness) every
     `idle_batch_every` seconds, so the caller regains control.
     """
+
+    kind = "debezium-file"
 
     def __init__(
         self,
@@ -200,6 +213,41 @@ class DebeziumFileSource:
         self._spec_columns = _Columns(declared, {name: _from_arrow_type(t) for name, t in declared.items()})
         self._schema_columns: dict[tuple, _Columns] = {}
         self._discovered_types: dict[str, pa.DataType] = {}
+        self._first_line_crc32: str | None = None
+
+    def identity(self, offset: str | None) -> SourceIdentity:
+        """The file's first line (crc32) is its identity: a moved file is the same history, a rotated one is not."""
+        if self._first_line_crc32 is None:
+            self._first_line_crc32 = self._read_first_line_crc32()
+        if self._first_line_crc32 is None and offset is not None and not self.path.exists():
+            raise SourceChanged(f"{self.path} does not exist; {_FilePosition.parse(offset).byte:,} bytes of it were read")
+        return SourceIdentity(self.kind, f"debezium:{os.path.abspath(self.path)}", {"first_line": self._first_line_crc32})
+
+    def _read_first_line_crc32(self) -> str | None:
+        try:
+            with self.path.open("rb") as file:
+                line = file.readline()
+        except FileNotFoundError:
+            return None
+        return _crc_text(zlib.crc32(line)) if line.endswith(b"\n") else None
+
+    def history(self, until_offset: str, max_records: int) -> Iterator[pa.Table]:
+        """The change records of the lines before `until_offset`, checked against the offset's crc32."""
+        target = _FilePosition.parse(until_offset)
+        position = _FilePosition()
+        while position.byte < target.byte:
+            lines = self._read_complete_lines(position, max_records, limit=target.byte)
+            if not lines:
+                raise SourceChanged(
+                    f"{self.path} ends at byte {position.byte:,}, before the {target.byte:,} bytes the writer read: truncated"
+                )
+            batch = self._parse(lines, position.line, "")
+            position = position.after(lines)
+            yield batch.records
+        if position.byte != target.byte or (target.crc32 is not None and position.crc32 != target.crc32):
+            raise SourceChanged(
+                f"{self.path} no longer holds the {target.byte:,} bytes the writer read (their crc32 differs): rewritten"
+            )
 
     def column_types(self) -> dict[str, pa.DataType] | None:
         """Column types from the schema blocks read so far, else the spec's; None if neither."""
@@ -210,28 +258,57 @@ class DebeziumFileSource:
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
             raise ValueError(f"max_records must be at least 1, got {max_records}")
-        byte, line_number = _parse_offset(start_offset) if start_offset is not None else (0, 0)
+        position = self._resume(start_offset) if start_offset is not None else _FilePosition()
         idle_since = self._monotonic()
         while True:
-            lines, byte_after = self._read_complete_lines(byte, max_records)
+            lines = self._read_complete_lines(position, max_records)
             if lines:
-                yield self._parse(lines, line_number, byte_after)
-                byte, line_number = byte_after, line_number + len(lines)
+                before, position = position, position.after(lines)
+                yield self._parse(lines, before.line, position.to_offset())
                 idle_since = self._monotonic()
                 continue
             if not self.follow:
                 return
             if self._monotonic() - idle_since >= self.idle_batch_every:
-                yield ChangeBatch(records=CDC_RECORD_SCHEMA.empty_table(), offset=_offset(byte, line_number))
+                yield ChangeBatch(records=CDC_RECORD_SCHEMA.empty_table(), offset=position.to_offset())
                 idle_since = self._monotonic()
             self._sleep(self.poll_interval)
 
-    def _read_complete_lines(self, byte: int, max_lines: int) -> tuple[list[bytes], int]:
+    def _resume(self, offset: str) -> _FilePosition:
+        """The position of a committed offset, with the bytes before it read back and checked."""
+        position = _FilePosition.parse(offset)
+        with self.path.open("rb") as file:
+            self._check_size(file, position.byte)
+            start = max(position.byte - _TAIL_BYTES, 0)
+            file.seek(start)
+            tail = file.read(position.byte - start)
+            if position.tail_crc32 is not None and _crc_text(zlib.crc32(tail)) != position.tail_crc32:
+                raise SourceChanged(self._rewritten(position.byte))
+            crc32 = position.crc32
+            if crc32 is None:  # an offset written before partfin kept checksums: take them once
+                file.seek(0)
+                crc32 = _crc_text(zlib.crc32(file.read(position.byte)))
+        return _FilePosition(position.byte, position.line, crc32, tail)
+
+    def _check_size(self, file, byte: int) -> None:
+        size = os.fstat(file.fileno()).st_size
+        if size < byte:
+            raise SourceChanged(f"{self.path} holds {size:,} bytes, fewer than the {byte:,} already read: truncated or replaced")
+
+    def _rewritten(self, byte: int) -> str:
+        return f"the bytes of {self.path} before byte {byte:,} are not the ones read there: the file was rotated or rewritten"
+
+    def _read_complete_lines(self, position: _FilePosition, max_lines: int, limit: int | None = None) -> list[bytes]:
+        """Up to max_lines complete lines after `position` (not past byte `limit`), once the bytes before it check out."""
         lines: list[bytes] = []
+        byte = position.byte
         try:
             with self.path.open("rb") as file:
-                file.seek(byte)
-                while len(lines) < max_lines:
+                self._check_size(file, position.byte)
+                file.seek(position.byte - len(position.tail))
+                if file.read(len(position.tail)) != position.tail:
+                    raise SourceChanged(self._rewritten(position.byte))
+                while len(lines) < max_lines and (limit is None or byte < limit):
                     line = file.readline()
                     if not line.endswith(b"\n"):  # end of file, or a line still being written
                         break
@@ -240,9 +317,9 @@ class DebeziumFileSource:
         except FileNotFoundError:
             if not self.follow:
                 raise
-        return lines, byte
+        return lines
 
-    def _parse(self, lines: list[bytes], last_line_number: int, byte_after: int) -> ChangeBatch:
+    def _parse(self, lines: list[bytes], last_line_number: int, offset: str) -> ChangeBatch:
         changes: list[tuple[int, _Change]] = []
         rejected: list[tuple[int, str, str]] = []
         for line_number, raw in enumerate(lines, start=last_line_number + 1):
@@ -258,7 +335,7 @@ class DebeziumFileSource:
                 changes.append((line_number, change))
         return ChangeBatch(
             records=self._records(changes),
-            offset=_offset(byte_after, last_line_number + len(lines)),
+            offset=offset,
             rejected=pa.table(
                 {
                     "source_seq": [seq for seq, _, _ in rejected],
@@ -357,13 +434,39 @@ def _image_fields(schema: Any) -> list[dict[str, Any]]:
     return []
 
 
-def _offset(byte: int, line_number: int) -> str:
-    return json.dumps({"byte": byte, "line": line_number}, separators=(",", ":"))
+_TAIL_BYTES = 1024  # checked before every read: a rotated, truncated or rewritten file is seen at once
 
 
-def _parse_offset(offset: str) -> tuple[int, int]:
-    try:
-        fields = json.loads(offset)
-        return int(fields["byte"]), int(fields["line"])
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"not a debezium-file offset: {offset!r} ({exc})") from exc
+def _crc_text(value: int) -> str:
+    return f"{value:08x}"
+
+
+@dataclass(frozen=True)
+class _FilePosition:
+    """Where reading stands in the file: after `line` lines, `byte` bytes, whose crc32 is `crc32`."""
+
+    byte: int = 0
+    line: int = 0
+    crc32: str | None = _crc_text(0)  # None: from an offset written before partfin kept it
+    tail: bytes = b""  # the last bytes before `byte` (up to _TAIL_BYTES), as read
+    tail_crc32: str | None = None  # their crc32, as an offset records it (the bytes themselves are not in it)
+
+    def after(self, lines: list[bytes]) -> _FilePosition:
+        data = b"".join(lines)
+        crc32 = _crc_text(zlib.crc32(data, int(self.crc32, 16))) if self.crc32 is not None else None
+        return _FilePosition(self.byte + len(data), self.line + len(lines), crc32, (self.tail + data)[-_TAIL_BYTES:])
+
+    def to_offset(self) -> str:
+        fields: dict[str, Any] = {"byte": self.byte, "line": self.line}
+        if self.crc32 is not None:
+            fields["crc32"] = self.crc32
+        fields["tail_crc32"] = _crc_text(zlib.crc32(self.tail))
+        return json.dumps(fields, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, offset: str) -> _FilePosition:
+        try:
+            fields = json.loads(offset)
+            return cls(int(fields["byte"]), int(fields["line"]), fields.get("crc32"), b"", fields.get("tail_crc32"))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not a debezium-file offset: {offset!r} ({exc})") from exc

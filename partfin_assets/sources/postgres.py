@@ -88,6 +88,7 @@ import pyarrow as pa
 
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, type_to_text
 from partfin_assets.model.timeutil import to_us
 
@@ -290,6 +291,8 @@ class PostgresSource:
     filters by table (`add-tables`).
     """
 
+    kind = "postgres"
+
     def __init__(
         self,
         dsn: str,
@@ -327,6 +330,24 @@ class PostgresSource:
         self._control = None  # autocommit connection: checks, slot, clock, advance
         self._info: _TableInfo | None = None
         self._confirmed: int | None = None  # the slot's confirmed_flush_lsn as last seen
+        self._identity: SourceIdentity | None = None
+
+    def identity(self, offset: str | None) -> SourceIdentity:
+        """The server (system identifier), database, table and slot: the log a position is in.
+
+        A slot holds only the changes not confirmed yet, so this history cannot be read again.
+        """
+        if self._identity is None:
+            conn = self._connection()
+            system, database = conn.execute("SELECT system_identifier::text, current_database() FROM pg_control_system()").fetchone()
+            table = f"{self.schema}.{self.table}"
+            self._identity = SourceIdentity(
+                self.kind,
+                f"postgres:{_redact(self.dsn)}#{table},slot={self.slot}",
+                {"system_identifier": system, "database": database, "table": table, "slot": self.slot},
+                cannot_replay=f"replication slot {self.slot} holds only the changes not ingested yet, not the past ones",
+            )
+        return self._identity
 
     # ---- connections and checks
 

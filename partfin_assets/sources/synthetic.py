@@ -27,8 +27,9 @@ import pyarrow as pa
 
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, now_utc, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, now_utc, to_us
 
 ORDERS_SPEC = TableSpec(
     name="orders",
@@ -47,6 +48,11 @@ _LATE_TAIL_ALPHA = 1.5  # Pareto tail of the rare hours-late events
 
 def _us(duration: timedelta) -> int:
     return round(duration.total_seconds() * US_PER_SECOND)
+
+
+def _seconds_text(us: int) -> str:
+    """A duration as the spec writes it: `21600s`, `0.5s`."""
+    return f"{us // US_PER_SECOND}s" if us % US_PER_SECOND == 0 else f"{us / US_PER_SECOND}s"
 
 
 def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
@@ -101,6 +107,8 @@ class SyntheticSource:
     anchor and skips what was emitted.
     """
 
+    kind = "synthetic"
+
     def __init__(
         self,
         seed: int = 0,
@@ -147,10 +155,40 @@ class SyntheticSource:
         self.end_us = to_us(end) if end is not None else None
         self._clock = clock
         self._sleep = sleep
+        self._explicit_start = start is not None
         if start is not None:
             self.anchor_us = to_us(start)
         else:
             self.anchor_us = floor_hour_us(to_us(clock())) - round(hours * US_PER_HOUR)
+
+    def identity(self, offset: str | None) -> SourceIdentity:
+        """Seed, event-shaping options and anchor: the stream depends on nothing else.
+
+        A resume takes the anchor from the offset (`hours` is relative to the clock), unless `start`
+        was given: then it is the anchor, and a different one is another history. The spec names the
+        stream exactly, with `start=`, so a replay reads it again wherever and whenever it runs.
+        """
+        anchor_us = self.anchor_us
+        if offset is not None and not self._explicit_start:
+            anchor_us = _Position.from_offset(offset).anchor_us
+        options = {
+            "seed": self.seed,
+            "rate": self.rate,
+            "key_space": self.key_space,
+            "delete_fraction": self.delete_fraction,
+            "late_fraction": self.late_fraction,
+            "max_lateness": _seconds_text(self.max_lateness_us),
+            "idle_every": _seconds_text(self.idle_every_us) if self.idle_every_us is not None else "off",
+            "idle_for": _seconds_text(self.idle_for_us),
+            "start": iso_z(anchor_us),
+        }
+        spec = "synthetic:" + ",".join(f"{name}={value}" for name, value in options.items())
+        return SourceIdentity(self.kind, spec, options)
+
+    def history(self, until_offset: str, max_records: int) -> Iterator[pa.Table]:
+        """The events emitted before `until_offset`, in arrival order: the stream is regenerated from its anchor."""
+        position = _Position.from_offset(until_offset)
+        yield from _ArrivalStream(self, position.anchor_us).take(position.emitted, max_records)
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
@@ -309,12 +347,19 @@ class _ArrivalStream:
 
     def skip(self, count: int) -> None:
         """Drop the first `count` events in arrival order (already emitted before a resume)."""
+        for _ in self.take(count, max(count, 1)):
+            pass
+
+    def take(self, count: int, max_records: int) -> Iterator[pa.Table]:
+        """The first `count` events not emitted yet, in arrival order, at most max_records at a time."""
         while count > 0:
-            self._generate_next_chunk()
             final = int(np.searchsorted(self.arrivals_us(), self.generated_until_us, side="left"))
-            dropped = min(count, final)
-            self.pop(dropped)
-            count -= dropped
+            if final == 0:
+                self._generate_next_chunk()
+                continue
+            taken = min(count, final, max_records)
+            yield self.pop(taken)
+            count -= taken
 
     def arrivals_us(self) -> np.ndarray:
         return self._pending.column(_ARRIVAL).to_numpy()
