@@ -11,10 +11,10 @@ from pathlib import Path
 DATA = Path(__file__).parent / "data"
 
 
-def partfin(home, *args, env_extra=None) -> subprocess.CompletedProcess:
+def partfin(home, *args, env_extra=None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
     env.update({"PARTFIN_HOME": str(home), **(env_extra or {})})
-    return subprocess.run([sys.executable, "-m", "partfin_assets.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "partfin_assets.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_ingest_then_status_json(tmp_path):
