@@ -13,13 +13,18 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from partfin_assets.core.catalog import load_partfin_catalog
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets_tests.debezium_lines import change_line, heartbeat_line
 from partfin_assets_tests.test_cli import partfin
+from partfin_assets_tests.test_postgres_source import drop_slots
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 T0_MS = int(T0.timestamp() * 1000)
@@ -128,10 +133,6 @@ def test_debezium_nan_and_infinity_reach_base(tmp_path):
 
 @pytest.mark.xfail(strict=True, reason="issue 11 §2: PostgreSQL float8/real NaN and ±Infinity arrive as null (wal2json v2): lost")
 def test_postgres_nan_and_infinity_reach_base(postgres, tmp_path):
-    import psycopg
-
-    from partfin_assets_tests.test_postgres_source import drop_slots
-
     database = "pf_nan_" + tmp_path.name[-8:].replace("-", "_").lower()
     postgres.create_database(database)
     try:
@@ -157,10 +158,6 @@ def test_postgres_nan_and_infinity_reach_base(postgres, tmp_path):
 
 def write_changes(home: Path, changes: list[tuple[int, str, int, str | None]], checkpoint: int) -> None:
     """Commit CDC rows (key id, op, minute, payload) the way any source would, through the CDC writer."""
-    from partfin_assets.core.sink import CdcWriter
-    from partfin_assets.core.tablespec import TableSpec
-    from partfin_assets.sources.base import CDC_RECORD_SCHEMA, ChangeBatch
-
     spec = TableSpec("shop", ("id",), {"id": pa.int64(), "amount": pa.float64()})
     records = pa.table(
         {

@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
+from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets_tests.test_cli import partfin
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -186,8 +187,6 @@ def _kind_name(kind) -> str:
 
 
 def base_rows(home: Path, table: str) -> tuple[dict[tuple, dict], list[str]]:
-    from partfin_assets.core.catalog import load_partfin_catalog
-
     catalog = load_partfin_catalog(home)
     data = catalog.load_table(f"base.{table}").scan().to_arrow()
     data = data.filter(pc.invert(data.column("_deleted")))
@@ -196,8 +195,6 @@ def base_rows(home: Path, table: str) -> tuple[dict[tuple, dict], list[str]]:
 
 
 def rejected_lines(home: Path, table: str) -> list[str]:
-    from partfin_assets.core.catalog import load_partfin_catalog
-
     catalog = load_partfin_catalog(home)
     if not catalog.table_exists(f"cdc.{table}__rejected"):
         return []
