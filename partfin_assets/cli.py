@@ -21,8 +21,7 @@ from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
-from partfin_assets.sources.registry import make_source, postgres_table_spec, source_kind
-from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,17 +75,11 @@ def _ingest(args: argparse.Namespace) -> int:
 def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
     """The table's declaration: the one stored with cdc.<table>, else the source's own or --primary-key."""
 
-    kind = source_kind(args.source)
+    source_kind(args.source)  # an unknown kind is refused before the catalog is touched
     identifier = f"cdc.{args.table}"
     if catalog.table_exists(identifier):
         return TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
-    if kind == "synthetic":
-        return TableSpec(args.table, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
-    if kind == "postgres":  # key and column types from the database table
-        return postgres_table_spec(args.source, args.table, args.primary_key)
-    if not args.primary_key:
-        raise ValueError(f"{identifier} does not exist yet: give its key with --primary-key COL[,COL]")
-    return TableSpec(args.table, tuple(c.strip() for c in args.primary_key.split(",") if c.strip()))
+    return source_table_spec(args.source, args.table, args.primary_key)
 
 
 def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:

@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
@@ -29,6 +32,7 @@ from pyiceberg.types import (
     LongType,
     NestedField,
     StringType,
+    StructType,
     TimestampType,
     TimestamptzType,
     TimeType,
@@ -90,7 +94,15 @@ META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED)
 DEFAULT_BUCKETS = 16
 
 
-def _iceberg_type(data_type: pa.DataType) -> IcebergType:
+def _iceberg_type(data_type: pa.DataType, next_id: Callable[[], int] | None = None) -> IcebergType:
+    """The Iceberg type of a declared column; `next_id` numbers the fields of a struct (geometry)."""
+    if pa.types.is_struct(data_type):
+        if next_id is None:
+            raise TypeError(f"column type {data_type}: struct fields need field ids")
+        children = [data_type.field(i) for i in range(data_type.num_fields)]
+        return StructType(
+            *[NestedField(next_id(), child.name, _iceberg_type(child.type, next_id), required=False) for child in children]
+        )
     if pa.types.is_boolean(data_type):
         return BooleanType()
     if pa.types.is_int32(data_type):
@@ -127,11 +139,12 @@ def base_columns(spec: TableSpec) -> dict[str, pa.DataType]:
 
 def base_schema(spec: TableSpec) -> Schema:
     columns = base_columns(spec)
+    n = len(columns)
+    nested_ids = itertools.count(n + 4)  # after the columns and the three metadata columns
     fields = [
-        NestedField(i, name, _iceberg_type(t), required=name in spec.primary_key)
+        NestedField(i, name, _iceberg_type(t, lambda: next(nested_ids)), required=name in spec.primary_key)
         for i, (name, t) in enumerate(columns.items(), start=1)
     ]
-    n = len(fields)
     fields += [
         NestedField(n + 1, EVENT_TIME, TimestamptzType(), required=True),
         NestedField(n + 2, SOURCE_SEQ, LongType(), required=True),

@@ -14,3 +14,7 @@ class PartfinError(Exception):
 
 class PartfinConfigError(PartfinError, RuntimeError):
     """A configuration problem the user must fix; the message names what and how."""
+
+
+class SourceError(PartfinError, ValueError):
+    """A CDC source that cannot be read as configured (a missing file, a declaration its data contradicts)."""

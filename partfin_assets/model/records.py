@@ -47,6 +47,24 @@ REJECTED_RECORD_SCHEMA = pa.schema(
 
 VALID_OPS = frozenset({"c", "u", "d", "r"})
 
+# Event times (and heartbeat times) a source may report: [1970-01-01, 2100-01-01) UTC. Anything
+# else is a broken clock or a unit error (microseconds sent as milliseconds lands in year ~58000):
+# the change goes to the rejected records with the reason, and never moves a watermark.
+PLAUSIBLE_EVENT_TIME_US = (0, 4_102_444_800_000_000)
+
+
+def implausible_event_time(us: int) -> str | None:
+    """Why an event time (epoch microseconds) is not plausible, or None if it is."""
+    low, high = PLAUSIBLE_EVENT_TIME_US
+    if low <= us < high:
+        return None
+    hint = ""
+    if low <= us // 1000 < high:
+        hint = " (microseconds sent as milliseconds?)"
+    elif low <= us // 1_000_000 < high:
+        hint = " (nanoseconds sent as milliseconds?)"
+    return f"outside the plausible range 1970-01-01T00:00:00Z .. 2100-01-01T00:00:00Z{hint}"
+
 
 @dataclass(frozen=True)
 class ChangeBatch:

@@ -34,6 +34,13 @@ _SIMPLE_TYPES = {
 
 
 def type_to_text(data_type: pa.DataType) -> str:
+    """A declared column type as text: a simple type, decimal128(p, s), or a struct of those (geometry)."""
+    if pa.types.is_struct(data_type):
+        fields = [data_type.field(i) for i in range(data_type.num_fields)]
+        for child in fields:
+            if not child.name.isidentifier():
+                raise ValueError(f"struct field name {child.name!r} is not supported in a table declaration")
+        return "struct<" + ", ".join(f"{child.name}: {type_to_text(child.type)}" for child in fields) + ">"
     text = str(data_type)
     if text not in _SIMPLE_TYPES and not isinstance(data_type, pa.Decimal128Type):
         raise ValueError(f"column type {text} is not supported in a table declaration")
@@ -46,7 +53,29 @@ def type_from_text(text: str) -> pa.DataType:
     match = re.fullmatch(r"decimal128\((\d+), (\d+)\)", text)
     if match:
         return pa.decimal128(int(match[1]), int(match[2]))
+    if text.startswith("struct<") and text.endswith(">"):
+        return pa.struct([_struct_field(item) for item in _top_level_items(text[len("struct<") : -1])])
     raise ValueError(f"column type {text!r} is not supported in a table declaration")
+
+
+def _struct_field(item: str) -> pa.Field:
+    name, colon, child = item.partition(": ")
+    if not colon or not name.isidentifier():
+        raise ValueError(f"struct field {item!r} is not supported in a table declaration")
+    return pa.field(name, type_from_text(child))
+
+
+def _top_level_items(text: str) -> list[str]:
+    """Split `a: int32, b: struct<c: int32, d: binary>` at the commas outside <> and ()."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "<("
+        depth -= char in ">)"
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    items.append(text[start:].strip())
+    return [item for item in items if item]
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,9 @@ class TableSpec:
             raise ValueError(f"table {self.name!r} declares no primary key")
         missing = [c for c in self.primary_key if self.columns and c not in self.columns]
         if missing:
-            raise ValueError(f"table {self.name!r}: primary-key column(s) {missing} are not among its columns")
+            raise ValueError(
+                f"table {self.name!r}: primary-key column(s) {missing} are not among its columns {list(self.columns)}"
+            )
 
     def to_properties(self) -> dict[str, str]:
         return {

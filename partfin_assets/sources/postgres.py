@@ -73,6 +73,7 @@ was dropped or moved past the committed offset.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import logging
@@ -158,16 +159,26 @@ def _as_int(value: Any) -> Any:
     return int(value) if isinstance(value, Decimal | str) else value
 
 
+_NON_FINITE = {"NaN": "NaN", "Infinity": "Infinity", "-Infinity": "-Infinity"}
+
+
 def _as_float(value: Any) -> Any:
-    if isinstance(value, Decimal):
-        return float(value)
-    if isinstance(value, str):  # NaN / Infinity: JSON has no such numbers
+    """A float8/real for the payload: a number, or NaN / ±Infinity as the strings JSON carries them in."""
+    if isinstance(value, str) and value in _NON_FINITE:
         return value
-    return value
+    return float(value)
+
+
+def _numeric_text(value: Any) -> str:
+    """A numeric as exact text (NaN and ±Infinity, which PostgreSQL's numeric has, as their names)."""
+    return format(value if isinstance(value, Decimal) else Decimal(str(value)), "f")
 
 
 def _decimal_text(value: Any) -> str:
-    return format(value if isinstance(value, Decimal) else Decimal(str(value)), "f")
+    text = _numeric_text(value)
+    if text in ("NaN", "Infinity", "-Infinity", "sNaN"):
+        raise ValueError(f"{value} does not fit a decimal column")
+    return text
 
 
 @functools.lru_cache(maxsize=4096)  # a transaction's now() repeats in every row it writes
@@ -200,7 +211,7 @@ def _text(value: Any) -> Any:
     if isinstance(value, str):
         return value
     if isinstance(value, Decimal):
-        return _decimal_text(value)
+        return _numeric_text(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -225,7 +236,7 @@ def _column_type(typname: str, typmod: int, is_array: bool) -> tuple[pa.DataType
             precision, scale = ((typmod - 4) >> 16) & 0xFFFF, (typmod - 4) & 0xFFFF
             if 0 < precision <= 38 and 0 <= scale <= precision:
                 return pa.decimal128(precision, scale), _decimal_text
-        return pa.string(), _decimal_text  # no fixed scale fits every value: exact decimal text
+        return pa.string(), _numeric_text  # no fixed scale fits every value: exact decimal text
     if typname == "bool":
         return pa.bool_(), None
     if typname == "bytea":
@@ -248,6 +259,10 @@ class _TableInfo:
     types: dict[str, pa.DataType]
     normalizers: dict[str, Normalize | None]
     replica_identity: str  # d(efault) n(othing) f(ull) i(ndex)
+    not_null: frozenset[str] = frozenset()
+    # float columns whose NaN / ±Infinity the slot's wal2json writes as null (before 2.6): a null in
+    # one of them that is NOT NULL can only be such a value, and is rejected rather than stored as null
+    unreadable_nulls: frozenset[str] = frozenset()
 
     @property
     def qualified(self) -> str:
@@ -330,6 +345,7 @@ class PostgresSource:
         self._control = None  # autocommit connection: checks, slot, clock, advance
         self._info: _TableInfo | None = None
         self._confirmed: int | None = None  # the slot's confirmed_flush_lsn as last seen
+        self._numbers_as_text = False  # wal2json 2.6+: numbers as text (probed per run)
         self._identity: SourceIdentity | None = None
 
     def identity(self, offset: str | None) -> SourceIdentity:
@@ -409,14 +425,14 @@ class PostgresSource:
         if relkind not in ("r", "p"):
             raise PostgresSourceError(f"{qualified} is not a table (relkind {relkind!r}): only tables are decoded")
         columns = conn.execute(
-            "SELECT a.attname, t.typname, a.atttypmod, t.typcategory = 'A' OR a.attndims > 0 "
+            "SELECT a.attname, t.typname, a.atttypmod, t.typcategory = 'A' OR a.attndims > 0, a.attnotnull "
             "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
             "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             (oid,),
         ).fetchall()
         types: dict[str, pa.DataType] = {}
         normalizers: dict[str, Normalize | None] = {}
-        for name, typname, typmod, is_array in columns:
+        for name, typname, typmod, is_array, _ in columns:
             types[name], normalizers[name] = _column_type(typname, int(typmod), bool(is_array))
 
         def index_columns(condition: str) -> tuple[str, ...]:
@@ -448,7 +464,8 @@ class PostgresSource:
                 f"{sorted(set(key) - set(logged_old))} of deleted rows: deletes cannot be keyed; "
                 f"ALTER TABLE {qualified} REPLICA IDENTITY FULL (or key by the primary key)"
             )
-        return _TableInfo(self.schema, self.table, oid, tuple(key), types, normalizers, identity)
+        not_null = frozenset(name for name, *_, is_not_null in columns if is_not_null)
+        return _TableInfo(self.schema, self.table, oid, tuple(key), types, normalizers, identity, not_null)
 
     def _check_server(self, conn) -> None:
         wal_level = conn.execute("SHOW wal_level").fetchone()[0]
@@ -559,6 +576,7 @@ class PostgresSource:
         info = self.table_info()
         confirmed = self._ensure_slot(conn, expect_existing=start_offset is not None)
         self._confirmed = confirmed
+        info = self._probe_numbers_as_text(conn, info)
         if start_offset is None:
             position = _Position(lsn=confirmed, seq=0)
         else:
@@ -621,13 +639,42 @@ class PostgresSource:
 
     def _peek_options(self, info: _TableInfo) -> list[str]:
         escaped = ".".join(re.sub(r"([ ',.*\\])", r"\\\1", part) for part in (info.schema, info.name))
-        return [
+        options = [
             "format-version", "2",
             "include-timestamp", "1",
             "include-lsn", "1",
             "include-types", "0",
             "add-tables", escaped,
         ]  # fmt: skip
+        if self._numbers_as_text:  # float NaN / ±Infinity as text, not null
+            options += ["numeric-data-types-as-string", "1"]
+        return options
+
+    def _probe_numbers_as_text(self, conn, info: _TableInfo) -> _TableInfo:
+        """Whether the slot's wal2json has numeric-data-types-as-string (2.6+); without it, say what is at risk."""
+        import psycopg
+
+        def probe() -> bool:
+            try:
+                conn.execute(
+                    "SELECT count(*) FROM pg_logical_slot_peek_changes(%s, '0/1'::pg_lsn, NULL, "
+                    "'format-version', '2', 'numeric-data-types-as-string', '1')",
+                    (self.slot,),
+                )
+                return True
+            except psycopg.errors.InvalidParameterValue:
+                return False
+
+        self._numbers_as_text = self._with_slot(probe)
+        floats = [name for name, data_type in info.types.items() if pa.types.is_floating(data_type)]
+        if self._numbers_as_text or not floats:
+            return info
+        log.warning(
+            "%s: this server's wal2json (before 2.6) writes float NaN and ±Infinity as null: in column(s) %s they "
+            "cannot be told from NULL (a NOT NULL column rejects such changes); install wal2json 2.6 or later",
+            info.qualified, ", ".join(floats),
+        )
+        return dataclasses.replace(info, unreadable_nulls=frozenset(floats) & info.not_null)
 
     def _drain(
         self, peek_conn, info: _TableInfo, position: _Position, upto: int, max_records: int
@@ -778,6 +825,11 @@ class _TxnReader:
         normalizers = self.info.normalizers
         for column in columns:
             name, value = column["name"], column.get("value")
+            if value is None and name in self.info.unreadable_nulls:
+                raise _Reject(
+                    f"column {name!r} is NOT NULL but arrived as null: a float NaN or ±Infinity, which this server's "
+                    "wal2json (before 2.6) cannot carry"
+                )
             if value is not None:
                 normalize = normalizers.get(name, _text)
                 if normalize is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from partfin_assets.model.records import CdcSource
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso
-from partfin_assets.sources.debezium import DebeziumFileSource
+from partfin_assets.sources.debezium import DebeziumFileSource, debezium_table_spec
 from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 
@@ -87,9 +87,30 @@ def make_source(
         return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
     if kind == "postgres":
         return _postgres_source(argument, spec_text, table.name, key_columns or table.primary_key, options)
+    return DebeziumFileSource(_debezium_path(argument, spec_text), primary_key=key_columns, spec=table, **options)
+
+
+def _debezium_path(argument: str, spec_text: str) -> str:
     if not argument:
         raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
-    return DebeziumFileSource(argument, primary_key=key_columns, spec=table, **options)
+    return argument
+
+
+def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None) -> TableSpec:
+    """The declaration of a new cdc.<table_name> read from the source itself, before anything is committed.
+
+    postgres: key and column types of the database table. debezium: the column types of the file's
+    first schema block (the key must be given). synthetic: the orders table.
+    """
+    kind = source_kind(spec_text)
+    if kind == "synthetic":
+        return TableSpec(table_name, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
+    if kind == "postgres":
+        return postgres_table_spec(spec_text, table_name, primary_key)
+    key_columns = _key_columns(primary_key)
+    if not key_columns:
+        raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
+    return debezium_table_spec(_debezium_path(spec_text.strip().partition(":")[2], spec_text), table_name, key_columns)
 
 
 _POSTGRES_OPTIONS: dict[str, Callable[[str], Any]] = {

@@ -1,0 +1,671 @@
+"""Debezium JSON message values: the one decoder every Debezium source calls (a JSON-lines file; Kafka next).
+
+A value is what Kafka Connect's JsonConverter writes: with `schemas.enable=true` the
+`{"schema", "payload"}` envelope, else the bare payload. `DebeziumJsonDecoder.decode(value)`
+takes the value's bytes (or text; None is Kafka's null value) and returns
+
+- `DecodedChange`: op, key column values, event time (`source.ts_ms`), arrival time (the
+  envelope's `ts_ms`, None if absent or implausible) and the after-image as partfin's payload JSON;
+- `DecodedHeartbeat`: a Debezium heartbeat message (heartbeat.interval.ms; schema name
+  io.debezium.connector.common.Heartbeat, value `{"ts_ms": ...}`): the connector's clock;
+- None: a tombstone (`"payload": null`, an empty value, a null value);
+
+or raises `RejectedMessage` whose text is the reason (the caller keeps the raw value with it).
+
+JSON is parsed without going through float: JSON numbers with a fraction or exponent become
+`Decimal`, so decimals sent as numbers (`decimal.format=NUMERIC`) stay exact.
+
+Column types (`connect_column`; the README's Sources section has the same table). int8 and
+int16 become int32 (Iceberg's smallest integer). Decimals keep their scale; a precision below
+the scale (`numeric(5,6)`) is widened to the scale, a Decimal without precision gets 38, and
+beyond 38 digits (Iceberg's limit) the column is the exact decimal text. Non-finite floats
+(JsonConverter writes them as the strings "NaN", "Infinity", "-Infinity"; bare NaN tokens are
+read too) are kept and written to the payload as those strings. A type partfin does not know is
+kept as text (a string as it is, anything else as compact JSON) with one warning naming the column.
+
+With a declaration (the table's typed columns), each message is checked against it: a column the
+message's schema types differently is converted when that loses nothing (int32 -> int64, float ->
+double, a zoneless timestamp into a timestamptz column as UTC, as older partfin declared it) and
+otherwise rejected naming the column; a declared column the message's schema lacks (dropped at
+the source) is null; a column the declaration lacks stays in the payload (cdc keeps it) and is
+named in one warning. Messages without a schema block are typed by the declaration alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from decimal import Context, Decimal, Inexact, InvalidOperation
+from typing import Any
+
+import pyarrow as pa
+
+from partfin_assets.model.records import UTC_US, VALID_OPS, implausible_event_time
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
+
+log = logging.getLogger(__name__)
+
+Normalize = Callable[[Any], Any]
+
+ZONELESS_US = pa.timestamp("us")
+MAX_DECIMAL_PRECISION = 38  # Iceberg's decimal(P, S) holds at most 38 digits
+HEARTBEAT_SCHEMA_NAME = "io.debezium.connector.common.Heartbeat"
+_EPOCH_DATE = date(1970, 1, 1)
+_EPOCH = datetime(1970, 1, 1)
+_INT_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1)}
+_NON_FINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_FLOAT32_MAX = 3.4028234663852886e38
+_EXACT = Context(prec=1_000, traps=[Inexact, InvalidOperation])  # rescaling that would round raises
+_TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+
+
+class RejectedMessage(ValueError):
+    """A message that is not a usable change event; the text is the reason."""
+
+
+@dataclass(frozen=True)
+class DecodedChange:
+    op: str
+    key_values: dict[str, Any]
+    event_time_us: int
+    arrival_us: int | None  # the envelope's ts_ms: when Debezium processed the change
+    payload: str | None  # the after-image (None for deletes)
+
+
+@dataclass(frozen=True)
+class DecodedHeartbeat:
+    time_us: int
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | Decimal | float):
+        raise ValueError(f"not an integer: {value!r}")
+    if isinstance(value, int):
+        return value
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"not an integer: {value!r}")
+    return int(value)
+
+
+def _ranged_integer(data_type: pa.DataType) -> Normalize:
+    low, high = _INT_RANGES[data_type]
+
+    def normalize(value: Any) -> int:
+        number = _integer(value)
+        if not low <= number <= high:
+            raise ValueError(f"{number} is out of the {data_type} range")
+        return number
+
+    return normalize
+
+
+def _float(value: Any) -> float | str:
+    """A double for the payload: finite values as numbers, NaN / ±Infinity as JsonConverter's strings."""
+    if isinstance(value, str):
+        if value not in _NON_FINITE_TEXT:
+            raise ValueError(f"not a number: {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        raise ValueError(f"not a number: {value!r}")
+    number = float(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        if not isinstance(value, float):  # a finite JSON number too large for a double
+            raise ValueError(f"{value} is out of the double range")
+        return "Infinity" if number > 0 else "-Infinity"
+    return number
+
+
+def _float32(value: Any) -> float | str:
+    number = _float(value)
+    if isinstance(number, float) and abs(number) > _FLOAT32_MAX:
+        raise ValueError(f"{value} is out of the float range")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"not a boolean: {value!r}")
+    return value
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"not a string: {value!r}")
+    return value
+
+
+def _base64(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"not base64 text: {value!r}")
+    try:
+        base64.b64decode(value, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64 text ({exc})") from None
+    return value
+
+
+def _decimal_text(value: Decimal, scale: int | None, precision: int | None) -> str:
+    """Exact decimal text, at the column's scale when it has one (never rounded)."""
+    if not value.is_finite():
+        raise ValueError(f"{value} is not a finite decimal")
+    if scale is not None and value.as_tuple().exponent != -scale:
+        try:
+            value = value.quantize(Decimal(1).scaleb(-scale), context=_EXACT)
+        except (Inexact, InvalidOperation):
+            raise ValueError(f"{value} has more than {scale} fraction digits") from None
+    if precision is not None and value.adjusted() >= precision - (scale or 0):
+        raise ValueError(f"{value} has more than {precision} digits")
+    return format(value, "f")
+
+
+def _unscaled(encoded: Any, scale: int) -> Decimal:
+    """A Connect Decimal's bytes: big-endian two's-complement unscaled value, base64 in JSON."""
+    if not isinstance(encoded, str):
+        raise ValueError(f"not base64 text: {encoded!r}")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64 text ({exc})") from None
+    return Decimal(f"{int.from_bytes(raw, 'big', signed=True)}E-{scale}")
+
+
+def _connect_decimal(scale: int, precision: int | None) -> Normalize:
+    def normalize(value: Any) -> str:
+        if isinstance(value, str):  # base64 bytes (decimal.format=BASE64, the default)
+            return _decimal_text(_unscaled(value, scale), scale, precision)
+        return _decimal_text(_as_decimal(value), scale, precision)  # decimal.format=NUMERIC
+
+    return normalize
+
+
+def _as_decimal(value: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, int | Decimal | float | str):
+        raise ValueError(f"not a decimal: {value!r}")
+    try:
+        return Decimal(value) if not isinstance(value, float) else Decimal(repr(value))
+    except InvalidOperation:
+        raise ValueError(f"not a decimal: {value!r}") from None
+
+
+def _variable_scale_decimal(value: Any) -> str:
+    if not isinstance(value, dict) or "scale" not in value or "value" not in value:
+        raise ValueError(f"not a VariableScaleDecimal struct: {value!r}")
+    return _decimal_text(_unscaled(value["value"], _integer(value["scale"])), None, None)
+
+
+def _declared_decimal(scale: int, precision: int) -> Normalize:
+    """Schemaless messages: decimal text, a JSON number, or a Connect Decimal's base64 bytes."""
+
+    def normalize(value: Any) -> str:
+        if isinstance(value, str):
+            try:
+                return _decimal_text(Decimal(value), scale, precision)
+            except InvalidOperation:
+                return _decimal_text(_unscaled(value, scale), scale, precision)
+        return _decimal_text(_as_decimal(value), scale, precision)
+
+    return normalize
+
+
+def _date_from_days(value: Any) -> str:
+    return (_EPOCH_DATE + timedelta(days=_integer(value))).isoformat()
+
+
+def _date(value: Any) -> str:
+    if isinstance(value, str):
+        return date.fromisoformat(value).isoformat()
+    return _date_from_days(value)
+
+
+def _time_of_day(units_per_second: int) -> Normalize:
+    def normalize(value: Any) -> str:
+        micros = _integer(value) * US_PER_SECOND // units_per_second  # nanoseconds: kept to the microsecond
+        if not 0 <= micros < 86_400 * US_PER_SECOND:
+            raise ValueError(f"{value} is not a time of day")
+        seconds, fraction = divmod(micros, US_PER_SECOND)
+        text = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        return f"{text}.{fraction:06d}" if fraction else text
+
+    return normalize
+
+
+def _time(value: Any) -> str:
+    """Schemaless messages: `HH:MM:SS[.fraction]` text or microseconds of the day."""
+    if isinstance(value, str):
+        match = _TIME_TEXT.fullmatch(value)
+        if not match:
+            raise ValueError(f"not a time HH:MM:SS[.ffffff]: {value!r}")
+        hours, minutes, seconds, fraction = match.groups()
+        value = ((int(hours) * 60 + int(minutes)) * 60 + int(seconds)) * US_PER_SECOND + int((fraction or "0")[:6].ljust(6, "0"))
+    return _time_of_day(US_PER_SECOND)(value)
+
+
+def _wall_clock(units_per_second: int) -> Normalize:
+    """Timestamp/MicroTimestamp/NanoTimestamp and connect Timestamp: the source's wall clock, no zone."""
+
+    def normalize(value: Any) -> str:
+        micros = _integer(value) * US_PER_SECOND // units_per_second
+        try:
+            moment = _EPOCH + timedelta(microseconds=micros)
+        except OverflowError:
+            raise ValueError(f"{value} is out of the timestamp range") from None
+        return moment.isoformat(timespec="microseconds" if moment.microsecond else "seconds")
+
+    return normalize
+
+
+def _zoneless_text(value: Any) -> str:
+    if isinstance(value, str):
+        moment = datetime.fromisoformat(_trim_fraction(value))
+        if moment.tzinfo is not None:
+            raise ValueError(f"{value!r} has a zone; the column is a zoneless timestamp")
+        return moment.isoformat(timespec="microseconds" if moment.microsecond else "seconds")
+    return _wall_clock(US_PER_SECOND)(value)
+
+
+def _zoned(value: Any) -> str:
+    """ZonedTimestamp: ISO-8601 with an offset -> UTC with Z (fractions beyond microseconds are cut)."""
+    if not isinstance(value, str):
+        raise ValueError(f"not an ISO-8601 timestamp: {value!r}")
+    return iso_z(parse_iso(_trim_fraction(value)))
+
+
+def _zoned_declared(value: Any) -> str:
+    return _zoned(value) if isinstance(value, str) else iso_z(_integer(value))
+
+
+def _trim_fraction(text: str) -> str:
+    """`12:00:00.123456789Z` -> `12:00:00.123456Z`: Python reads at most microseconds."""
+    head, dot, rest = text.partition(".")
+    if not dot:
+        return text
+    digits = len(rest) - len(rest.lstrip("0123456789"))
+    return f"{head}.{rest[:min(digits, 6)]}{rest[digits:]}"
+
+
+def _as_text(value: Any) -> str:
+    """How a value of an unknown type is kept: a string as it is, anything else as compact JSON."""
+    return value if isinstance(value, str) else _json_text(value)
+
+
+def _json_text(value: Any) -> str:
+    """Compact JSON of a parsed value, numbers exactly as they were written (Decimal keeps its digits)."""
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(k, ensure_ascii=False)}:{_json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_json_text(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _plain(value: Any) -> Any:
+    """A value of a column without a type (not declared, no schema) made JSON-safe without loss."""
+    if isinstance(value, Decimal):
+        return str(value)  # its exact digits, as text
+    if isinstance(value, float) and not math.isfinite(value):
+        return _float(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _struct(children: Mapping[str, Normalize]) -> Normalize:
+    def normalize(value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ValueError(f"not a struct: {value!r}")
+        return {name: (child(value[name]) if value.get(name) is not None else None) for name, child in children.items()}
+
+    return normalize
+
+
+# --------------------------------------------------------------------------- Connect schema -> column
+
+_GEOMETRY_WKB = {"wkb": (pa.binary(), _base64), "srid": (pa.int32(), _ranged_integer(pa.int32()))}
+_POINT = {"x": (pa.float64(), _float), "y": (pa.float64(), _float), **_GEOMETRY_WKB}
+
+_PRIMITIVES: dict[str, tuple[pa.DataType, Normalize]] = {
+    "int8": (pa.int32(), _ranged_integer(pa.int32())),
+    "int16": (pa.int32(), _ranged_integer(pa.int32())),
+    "int32": (pa.int32(), _ranged_integer(pa.int32())),
+    "int64": (pa.int64(), _ranged_integer(pa.int64())),
+    "float": (pa.float32(), _float32),
+    "float32": (pa.float32(), _float32),
+    "double": (pa.float64(), _float),
+    "float64": (pa.float64(), _float),
+    "boolean": (pa.bool_(), _boolean),
+    "string": (pa.string(), _string),
+    "bytes": (pa.binary(), _base64),
+    "array": (pa.string(), _json_text),  # arrays and maps: their JSON text
+    "map": (pa.string(), _json_text),
+}
+
+_LOGICAL: dict[str, tuple[pa.DataType, Normalize]] = {
+    "io.debezium.time.Date": (pa.date32(), _date_from_days),
+    "org.apache.kafka.connect.data.Date": (pa.date32(), _date_from_days),
+    "io.debezium.time.Time": (pa.time64("us"), _time_of_day(1_000)),
+    "io.debezium.time.MicroTime": (pa.time64("us"), _time_of_day(1_000_000)),
+    "io.debezium.time.NanoTime": (pa.time64("us"), _time_of_day(1_000_000_000)),
+    "org.apache.kafka.connect.data.Time": (pa.time64("us"), _time_of_day(1_000)),
+    "io.debezium.time.Timestamp": (ZONELESS_US, _wall_clock(1_000)),
+    "io.debezium.time.MicroTimestamp": (ZONELESS_US, _wall_clock(1_000_000)),
+    "io.debezium.time.NanoTimestamp": (ZONELESS_US, _wall_clock(1_000_000_000)),
+    "org.apache.kafka.connect.data.Timestamp": (ZONELESS_US, _wall_clock(1_000)),
+    "io.debezium.time.ZonedTimestamp": (UTC_US, _zoned),
+    "io.debezium.time.Year": (pa.int32(), _ranged_integer(pa.int32())),
+    "io.debezium.time.MicroDuration": (pa.int64(), _ranged_integer(pa.int64())),
+    "io.debezium.data.Bits": (pa.binary(), _base64),
+    "io.debezium.data.VariableScaleDecimal": (pa.string(), _variable_scale_decimal),
+    "io.debezium.data.geometry.Point": (pa.struct([(n, t) for n, (t, _) in _POINT.items()]), _struct({n: f for n, (_, f) in _POINT.items()})),
+}
+for _name in ("io.debezium.data.geometry.Geometry", "io.debezium.data.geometry.Geography"):
+    _LOGICAL[_name] = (pa.struct([(n, t) for n, (t, _) in _GEOMETRY_WKB.items()]), _struct({n: f for n, (_, f) in _GEOMETRY_WKB.items()}))
+for _name in (
+    "io.debezium.data.Json", "io.debezium.data.Enum", "io.debezium.data.EnumSet", "io.debezium.data.Uuid",
+    "io.debezium.data.Xml", "io.debezium.data.Ltree", "io.debezium.time.ZonedTime", "io.debezium.time.Interval",
+):  # fmt: skip
+    _LOGICAL[_name] = (pa.string(), _string)
+
+
+@dataclass(frozen=True)
+class Column:
+    type: pa.DataType
+    normalize: Normalize
+    unknown: str | None = None  # the Debezium type partfin does not know (kept as text)
+
+
+def connect_column(field: Mapping[str, Any]) -> Column:
+    """The column type and value normalizer of one Kafka Connect field schema."""
+    name = field.get("name")
+    connect_type = field.get("type")
+    if name == "org.apache.kafka.connect.data.Decimal":
+        parameters = field.get("parameters") or {}
+        scale = int(parameters.get("scale", 0))
+        precision = parameters.get("connect.decimal.precision")
+        precision = int(precision) if precision is not None else MAX_DECIMAL_PRECISION
+        if max(precision, scale) > MAX_DECIMAL_PRECISION:
+            return Column(pa.string(), _connect_decimal(scale, None))  # exact text: Iceberg stops at 38 digits
+        return Column(pa.decimal128(max(precision, scale), scale), _connect_decimal(scale, max(precision, scale)))
+    if name in _LOGICAL:
+        return Column(*_LOGICAL[name])
+    if name is None and connect_type in _PRIMITIVES:
+        return Column(*_PRIMITIVES[connect_type])
+    described = f"{name} ({connect_type})" if name else str(connect_type)
+    return Column(pa.string(), _as_text, unknown=described)
+
+
+def declared_column(data_type: pa.DataType) -> Normalize:
+    """How a message without a schema block is normalized for a declared column type."""
+    if pa.types.is_integer(data_type):
+        return _ranged_integer(pa.int64() if pa.types.is_int64(data_type) else pa.int32())
+    if pa.types.is_floating(data_type):
+        return _float32 if pa.types.is_float32(data_type) else _float
+    if pa.types.is_boolean(data_type):
+        return _boolean
+    if pa.types.is_string(data_type) or pa.types.is_large_string(data_type):
+        return _as_text
+    if pa.types.is_binary(data_type):
+        return _base64
+    if pa.types.is_date(data_type):
+        return _date
+    if pa.types.is_time(data_type):
+        return _time
+    if pa.types.is_timestamp(data_type):
+        return _zoned_declared if data_type.tz else _zoneless_text
+    if pa.types.is_decimal(data_type):
+        return _declared_decimal(data_type.scale, data_type.precision)
+    if pa.types.is_struct(data_type):
+        return _struct({data_type.field(i).name: declared_column(data_type.field(i).type) for i in range(data_type.num_fields)})
+    raise ValueError(f"column type {data_type} has no JSON mapping")
+
+
+def _conversion(found: pa.DataType, declared: pa.DataType) -> Normalize | None:
+    """How a value typed `found` by a message's schema fits a column declared `declared`, if it does losslessly."""
+    if found.equals(declared):
+        return lambda value: value
+    widening = {
+        (pa.int32(), pa.int64()),
+        (pa.float32(), pa.float64()),
+        (ZONELESS_US, UTC_US),  # older partfin declared Debezium's zoneless timestamps as UTC
+        (UTC_US, ZONELESS_US),
+    }
+    if (found, declared) in widening:
+        if pa.types.is_timestamp(declared):
+            return (lambda text: text + "Z") if declared.tz else (lambda text: text[:-1] if text.endswith("Z") else text)
+        return lambda value: value
+    if pa.types.is_decimal(found) and pa.types.is_decimal(declared):
+        if found.scale == declared.scale and found.precision <= declared.precision:
+            return lambda value: value
+    if pa.types.is_decimal(found) and pa.types.is_string(declared):
+        return lambda value: value
+    return None
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class _Columns:
+    normalizers: dict[str, Normalize]
+    missing: tuple[str, ...] = ()  # declared columns the message's schema lacks: null
+    conflict: str | None = None  # why messages of this schema cannot fit the declaration
+
+    def normalize(self, image: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, value in image.items():
+            normalize = self.normalizers.get(name)
+            if value is None or normalize is None:
+                out[name] = _plain(value)
+                continue
+            try:
+                out[name] = normalize(value)
+            except (ValueError, TypeError, KeyError, OverflowError, InvalidOperation) as exc:
+                raise RejectedMessage(f"column {name!r}: {exc}") from None
+        for name in self.missing:
+            out[name] = None
+        return out
+
+
+_SCHEMA_MARK = b'{"schema":'
+_PAYLOAD_MARK = b',"payload":'
+_HEARTBEAT = _Columns({})  # the columns of a heartbeat message: none
+
+
+class DebeziumJsonDecoder:
+    """Decodes the Debezium JSON message values of one table (see the module docstring).
+
+    `primary_key`: the key columns, read from the after-image (the before-image for deletes).
+    `declared`: the table's typed columns, if it has a declaration; None while it has none.
+    """
+
+    def __init__(self, table: str, primary_key: tuple[str, ...], declared: Mapping[str, pa.DataType] | None = None) -> None:
+        if not primary_key:
+            raise ValueError(f"table {table!r}: the Debezium decoder needs the primary-key column(s)")
+        self.table = table
+        self.primary_key = tuple(primary_key)
+        self.declared = dict(declared) if declared else None
+        self._by_schema: dict[str, _Columns] = {}
+        self._by_prefix: dict[bytes, _Columns] = {}  # the raw schema block before ',"payload":'
+        self._discovered: dict[str, pa.DataType] = {}
+        self._schemaless = _Columns({name: declared_column(t) for name, t in (self.declared or {}).items()})
+        self._warned: set[str] = set()
+        self._loads = json.JSONDecoder(parse_float=Decimal).decode
+
+    def column_types(self) -> dict[str, pa.DataType] | None:
+        """The columns the schema blocks decoded so far declare (the declaration if given)."""
+        if self.declared:
+            return dict(self.declared)
+        return dict(self._discovered) or None
+
+    def decode(self, value: bytes | str | None) -> DecodedChange | DecodedHeartbeat | None:
+        if value is None:
+            return None  # Kafka's null value: a tombstone
+        raw = value.encode("utf-8") if isinstance(value, str) else value
+        if not raw.strip():
+            return None  # an empty value, or a blank line
+        # Every message of a topic repeats the same schema block: once it is known, only the
+        # payload after it is parsed (most of a JsonConverter message is its schema).
+        cut = raw.find(_PAYLOAD_MARK) if raw.startswith(_SCHEMA_MARK) else -1
+        known = self._by_prefix.get(raw[:cut]) if cut > 0 else None
+        if known is not None:
+            body = raw[cut + len(_PAYLOAD_MARK) :].rstrip()
+            if body.endswith(b"}"):
+                try:
+                    return self._wrapped(known, self._loads(body[:-1].decode("utf-8")))
+                except (ValueError, UnicodeDecodeError):
+                    pass  # not that simple after all: parse the whole message below
+        document = self._parse(raw)
+        if "payload" in document and "schema" in document:
+            schema = document["schema"]
+            columns = _HEARTBEAT if isinstance(schema, dict) and schema.get("name") == HEARTBEAT_SCHEMA_NAME else self.columns_of(schema)
+            if cut > 0 and len(self._by_prefix) < 64 and self._parse(raw[:cut] + b"}") == {"schema": schema}:
+                self._by_prefix[raw[:cut]] = columns
+            return self._wrapped(columns, document["payload"])
+        if set(document) == {"ts_ms"}:  # a heartbeat value without its schema
+            return DecodedHeartbeat(_time_us(document["ts_ms"], "heartbeat ts_ms"))
+        return self._change(document, self._schemaless)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            document = self._loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise RejectedMessage(f"not UTF-8 ({exc.reason})") from None
+        except json.JSONDecodeError as exc:
+            raise RejectedMessage(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(document, dict):
+            raise RejectedMessage(f"not a JSON object but {type(document).__name__}")
+        return document
+
+    def _wrapped(self, columns: _Columns, envelope: Any) -> DecodedChange | DecodedHeartbeat | None:
+        if envelope is None:
+            return None  # the tombstone Kafka emits after a delete
+        if not isinstance(envelope, dict):
+            raise RejectedMessage("payload is not a JSON object")
+        if columns is _HEARTBEAT:
+            return DecodedHeartbeat(_time_us(envelope.get("ts_ms"), "heartbeat ts_ms"))
+        return self._change(envelope, columns)
+
+    def columns_of(self, schema: Any) -> _Columns:
+        """The normalizers for the before/after images an envelope schema describes (cached per schema)."""
+        fields = image_fields(schema)
+        if not fields:
+            return self._schemaless
+        signature = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        columns = self._by_schema.get(signature)
+        if columns is None:
+            columns = self._by_schema[signature] = self._columns(fields)
+        return columns
+
+    def _columns(self, fields: list[dict[str, Any]]) -> _Columns:
+        normalizers: dict[str, Normalize] = {}
+        conflicts = []
+        for field in fields:
+            name = field.get("field")
+            if not isinstance(name, str):
+                continue
+            column = connect_column(field)
+            if column.unknown:
+                self._warn(name, f"Debezium type {column.unknown} is unknown to partfin: kept as text")
+            if self.declared is None:
+                self._discovered.setdefault(name, column.type)
+                normalizers[name] = column.normalize
+                continue
+            declared = self.declared.get(name)
+            if declared is None:
+                self._warn(name, f"not declared for cdc.{self.table}: kept in its CDC payload, not in base.{self.table}")
+                normalizers[name] = column.normalize
+                continue
+            convert = _conversion(column.type, declared)
+            if convert is None:
+                conflicts.append(f"column {name!r} is {column.type} in this message's schema, cdc.{self.table} declares {declared}")
+                continue
+            normalizers[name] = _then(column.normalize, convert)
+        present = {f.get("field") for f in fields}
+        missing = tuple(name for name in self.declared or {} if name not in present)
+        return _Columns(normalizers, missing, "; ".join(conflicts) or None)
+
+    def _change(self, envelope: dict[str, Any], columns: _Columns) -> DecodedChange:
+        op = envelope.get("op")
+        if op not in VALID_OPS:
+            if "op" not in envelope:
+                raise RejectedMessage("missing op")
+            raise RejectedMessage(f"unknown op {op!r}" + (" (a truncate cannot be applied per row)" if op == "t" else ""))
+        source = envelope.get("source")
+        if not isinstance(source, dict) or source.get("ts_ms") is None:
+            raise RejectedMessage("missing source.ts_ms")
+        event_time_us = _time_us(source["ts_ms"], "source.ts_ms")
+        image_name = "before" if op == "d" else "after"
+        image = envelope.get(image_name)
+        if not isinstance(image, dict):
+            raise RejectedMessage(f"op {op!r} without {image_name!r}")
+        if columns.conflict:
+            raise RejectedMessage(columns.conflict)
+        try:
+            normalized = columns.normalize(image)
+        except RejectedMessage as exc:
+            raise RejectedMessage(f"bad column value in {image_name!r}: {exc}") from None
+        missing = [name for name in self.primary_key if normalized.get(name) is None]
+        if missing:
+            raise RejectedMessage(f"missing key column(s) {', '.join(map(repr, missing))} in {image_name!r}")
+        return DecodedChange(
+            op=op,
+            key_values={name: normalized[name] for name in self.primary_key},
+            event_time_us=event_time_us,
+            arrival_us=_arrival_us(envelope.get("ts_ms")),
+            payload=None if op == "d" else json.dumps(normalized, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
+        )
+
+    def _warn(self, column: str, what: str) -> None:
+        if column not in self._warned:
+            self._warned.add(column)
+            log.warning("cdc.%s: column %r: %s", self.table, column, what)
+
+
+def _then(first: Normalize, second: Normalize) -> Normalize:
+    return lambda value: second(first(value))
+
+
+def _time_us(ts_ms: Any, what: str) -> int:
+    """Epoch milliseconds of a Debezium time field -> microseconds, or RejectedMessage."""
+    if isinstance(ts_ms, float) and not math.isfinite(ts_ms):
+        raise RejectedMessage(f"{what} is not a finite number: {json.dumps(ts_ms)}")
+    try:
+        ms = _integer(ts_ms)
+    except ValueError:
+        raise RejectedMessage(f"{what} is not an integer: {ts_ms!r}") from None
+    us = ms * 1_000
+    reason = implausible_event_time(us)
+    if reason:
+        raise RejectedMessage(f"{what} {ms} is {reason}")
+    return us
+
+
+def _arrival_us(ts_ms: Any) -> int | None:
+    try:
+        return _time_us(ts_ms, "ts_ms") if ts_ms is not None else None
+    except RejectedMessage:
+        return None  # arrival is pipeline metadata: without it, the commit's clock stands in
+
+
+def image_fields(schema: Any) -> list[dict[str, Any]]:
+    """The fields of the before/after struct of an envelope schema ([] if it has none)."""
+    if not isinstance(schema, dict):
+        return []
+    for field in schema.get("fields") or []:
+        if isinstance(field, dict) and field.get("field") in ("after", "before") and field.get("type") == "struct":
+            return [f for f in field.get("fields") or [] if isinstance(f, dict)]
+    return []
