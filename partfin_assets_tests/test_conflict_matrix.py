@@ -161,7 +161,8 @@ def run_job(catalog, kind: JobKind, name: str, tag: int, barrier: Barrier | None
 
         return Outcome(writer.write_checkpoint(ChangeBatch(records, offset=f"into-{tag}")).snapshot_id)
     if kind is JobKind.OVERWRITE:
-        return Outcome(replay_hour(catalog, "orders", HOURS[name], replay_rows(name, tag), before_commit=hook).snapshot_id)
+        # force: these rows are not the hour's history, a replay of them removes what the hour held
+        return Outcome(replay_hour(catalog, "orders", HOURS[name], replay_rows(name, tag), force=True, before_commit=hook).snapshot_id)
     if kind is JobKind.UPDATE_DELETE:
         prune, mask = cdc_key_filter([{"id": DELETE_KEY[name]}])
         return Outcome(delete_where(catalog, "cdc.orders", prune, mask, before_commit=hook).snapshot_id)
@@ -171,12 +172,12 @@ def run_job(catalog, kind: JobKind, name: str, tag: int, barrier: Barrier | None
     return Outcome(result.snapshot_id)
 
 
-def apply(model: list[Row], kind: JobKind, name: str, tag: int) -> list[Row]:
-    """The effect of a successful job on the table content."""
+def apply(model: list[Row], kind: JobKind, name: str, tag: int, appended_since_start: list[Row] = ()) -> list[Row]:
+    """The effect of a successful job on the table content (`appended_since_start`: INTO rows it did not see)."""
     if kind is JobKind.INTO:
         return model + rows_of(into_rows(name, tag))
-    if kind is JobKind.OVERWRITE:
-        return [r for r in model if hour_of(r) != name] + rows_of(replay_rows(name, tag))
+    if kind is JobKind.OVERWRITE:  # replaces what the hour held at its start; what INTO appended since stays
+        return [r for r in model if hour_of(r) != name] + list(appended_since_start) + rows_of(replay_rows(name, tag))
     if kind is JobKind.UPDATE_DELETE:
         return [r for r in model if not (hour_of(r) == name and key_id(r) == DELETE_KEY[name])]
     return model  # MERGE rewrites files, not rows
@@ -224,6 +225,7 @@ def test_conflict_matrix(any_catalog, earlier, later, placement):
     assert not thread.is_alive()
     assert earlier_outcome.snapshot_id is not None
     model = apply(model, earlier, earlier_hour, 1)
+    appended = rows_of(into_rows(earlier_hour, 1)) if earlier is JobKind.INTO and placement == "same" else []
 
     must_fail = later in (JobKind.UPDATE_DELETE, JobKind.MERGE) and placement == "same"
     if must_fail:
@@ -236,7 +238,7 @@ def test_conflict_matrix(any_catalog, earlier, later, placement):
     else:
         assert later_outcome.error is None, f"later {later.value} failed: {later_outcome.error!r}"
         assert later_outcome.snapshot_id is not None
-        model = apply(model, later, later_hour, 2)
+        model = apply(model, later, later_hour, 2, appended)
 
     # final content, row by row
     assert table_rows(catalog) == sorted(model)
@@ -539,7 +541,7 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
         written.extend(job.written)
 
     if landed:
-        result = replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), before_commit=spy)
+        result = replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), force=True, before_commit=spy)
         table = catalog.load_table("cdc.orders")
         assert result.snapshot_id == table.metadata.current_snapshot_id
         assert len(calls) == 1  # found in the history: not committed twice
@@ -548,7 +550,7 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
             r[0] for r in rows_of(replay_rows("A", 1)))
     else:
         with pytest.raises(TimeoutError):
-            replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), before_commit=spy)
+            replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), force=True, before_commit=spy)
         assert written and not any(Path(p.removeprefix("file://")).exists() for p in written)
         # the data files are gone; the attempt's manifests stay (the outcome was unknown when they
         # were written) until orphan-file removal, which finds exactly those

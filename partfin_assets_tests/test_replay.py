@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.finalization.partition_metadata import checkpoint_hours
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import late_records_total, recent_commit_stats, watermark_history
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.jobs.replay import records_for_hour, replay_hour, replay_hour_from_source
+from partfin_assets.jobs.replay import replay_hour
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.records import ChangeBatch
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
-
-
-class ListSource:
-    def __init__(self, batches):
-        self._batches = batches
-
-    def batches(self, start_offset, max_records):
-        yield from self._batches
 
 
 def hour_rows(catalog, hour_us):
@@ -46,12 +38,12 @@ def test_replay_replaces_the_hour_and_keeps_the_watermark(catalog):
     watermark = table.properties[K.PROP_WATERMARK]
     assert watermark == "2026-11-01T01:00:00Z"
     lookback_before = [c.snapshot_id for c in recent_commit_stats(table.metadata, 3)]
-    # the source has the hour's 10 records plus 2 the writer never got (lost, say)
+    # the hour's 10 records plus 2 the writer never got (lost, say), and the next hour's (ignored)
     missing = change_batch(T0_US + np.array([30, 31]) * MINUTE_US, offset="x", seq_start=500)
-    source = ListSource([batches[0], batches[1], ChangeBatch(missing.records, offset="x")])
-    result = replay_hour_from_source(catalog, "orders", T0_US, source)
+    records = pa.concat_tables([batches[0].records, batches[1].records, missing.records])
+    result = replay_hour(catalog, "orders", T0_US, records)
     assert (result.records, result.replaced_records, result.added_records, result.removed_records) == (12, 10, 2, 0)
-    assert result.ignored_outside_hour == 0
+    assert result.ignored_outside_hour == 10
     assert hour_rows(catalog, T0_US) == sorted([(f'{{"id":{s % 50}}}', s) for s in range(10)] + [('{"id":0}', 500), ('{"id":1}', 501)])
     assert hour_rows(catalog, T0_US + HOUR_US) == sorted((f'{{"id":{s % 50}}}', s) for s in range(100, 110))
 
@@ -83,8 +75,6 @@ def test_replay_of_an_open_hour_is_not_late_and_rewrites_are_not_late(catalog):
     result = replay_hour(catalog, "orders", T0_US + 3 * HOUR_US, batches[3].records)
     assert (result.added_records, result.removed_records, result.late_records) == (0, 0, 0)
     extra = change_batch(T0_US + 3 * HOUR_US + np.array([50]) * MINUTE_US, offset="e", seq_start=999).records
-    import pyarrow as pa
-
     result = replay_hour(catalog, "orders", T0_US + 3 * HOUR_US, pa.concat_tables([batches[3].records, extra]))
     assert (result.added_records, result.late_records) == (1, 0)  # hour 3 is above the watermark: not late
 
@@ -98,10 +88,8 @@ def test_replay_with_a_job_id_is_idempotent(catalog):
     assert len(catalog.load_table("cdc.orders").metadata.snapshots) == snapshots
 
 
-def test_records_for_hour_filters_the_source(catalog):
+def test_records_outside_the_hour_are_ignored(catalog):
     _, batches = setup(catalog)
-    got = records_for_hour(ListSource(batches), T0_US + 2 * HOUR_US + 5)
-    assert sorted(got.column("source_seq").to_pylist()) == list(range(200, 210))
-    result = replay_hour(catalog, "orders", T0_US + 2 * HOUR_US, batches[1].records)  # wrong hour's records
+    result = replay_hour(catalog, "orders", T0_US + 2 * HOUR_US, batches[1].records, force=True)  # wrong hour's records
     assert result.ignored_outside_hour == 10 and result.records == 0
     assert hour_rows(catalog, T0_US + 2 * HOUR_US) == []

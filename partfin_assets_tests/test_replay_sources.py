@@ -94,7 +94,6 @@ def file_table(tmp_path, monkeypatch):
     instance.dispose()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: a synthetic replay regenerates the stream from a new anchor")
 @pytest.mark.timeout(300)
 def test_synthetic_replay_an_hour_later_reproduces_the_hour(tmp_path):
     """`partfin ingest` of a synthetic stream now; an hour later an operator replays two finalized hours with
@@ -142,7 +141,6 @@ def pg_database(postgres):
             conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: a postgres: replay reads the slot, which holds only what was not ingested")
 def test_postgres_replay_is_refused_and_the_hour_stays(postgres, pg_database, tmp_path, monkeypatch):
     """A replication slot holds only changes not yet ingested: a replay of an hour cannot re-read it.
     Before: the replay read an empty slot and OVERWROTE the hour with nothing (the hour deleted).
@@ -177,13 +175,13 @@ def test_postgres_replay_is_refused_and_the_hour_stays(postgres, pg_database, tm
         print(f"postgres replay of {iso_z(hour)}: {len(before)} records before, {len(after)} after; success={result.success}")
         assert not result.success
         message = failure_message(result)
+        print(f"refused: {message}")
     assert "replication slot" in message and "partfin_orders" in message and "cannot" in message
     assert after == before
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'partfin_orders'").fetchone() == slot_before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: a replay reads the whole file, past what the writer committed")
 def test_replay_reads_only_what_the_writer_committed(file_table):
     """Late lines for H0 were appended to the file but not ingested yet. A replay of H0 must not take them
     (the writer will): before, the replay added them and the writer's next run added them again (doubled)."""
@@ -202,7 +200,6 @@ def test_replay_reads_only_what_the_writer_committed(file_table):
     assert doubled == 0 and len(after) == len(before) + 5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: the replay's OVERWRITE replaces records the writer committed after it read")
 def test_replay_racing_the_writer_keeps_the_late_records(file_table, monkeypatch):
     """While a replay of H0 runs (it has read the source, not committed yet), late lines for H0 arrive and
     `partfin ingest` commits them. The replay must not remove them (before: it replaced H0 by what it had read,
@@ -236,7 +233,6 @@ def test_replay_racing_the_writer_keeps_the_late_records(file_table, monkeypatch
     assert len(final) == len(before) + 5 and Counter(final) == Counter(before + [(r, s) for r, s in final if (r, s) not in before])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: a replay reads whatever file is at the path now")
 def test_replay_of_a_changed_file_is_refused(file_table):
     """The file at the source path is no longer the one the writer read (replaced by another export).
     Before: the replay read the new file and replaced H0 by its records (fabricated)."""
@@ -249,11 +245,11 @@ def test_replay_of_a_changed_file_is_refused(file_table):
     print(f"replay of H0 from a replaced file: {len(before)} records before, {len(after)} after "
           f"({len(set(before) & set(after))} kept); success={result.success}")
     assert not result.success
+    print(f"refused: {failure_message(result)}")
     assert str(path) in failure_message(result)
     assert after == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §3: an OVERWRITE removing far more than it adds needs force")
 def test_overwrite_removing_far_more_than_it_adds_needs_force(catalog):
     """replay_hour (the OVERWRITE job) given only 5 of an hour's 100 records refuses unless forced."""
     writer = CdcWriter(catalog, ORDERS, retention=Retention(keep_last=1000))

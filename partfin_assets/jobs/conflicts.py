@@ -3,10 +3,14 @@
 Job kinds and what happens when another commit lands between a job's start (the
 snapshot it read) and its commit ("first to finish wins"):
 
-- INTO (append) and OVERWRITE (replace partitions) never fail for concurrency:
-  every attempt is rebuilt on the fresh head. An INTO appends on top of it; an
-  OVERWRITE re-derives, at that head, the files that are in its partitions and
-  replaces them.
+- INTO (append) never fails for concurrency: every attempt appends on the fresh head.
+- OVERWRITE (a replay) replaces what its partitions held when it started, re-derived on
+  the fresh head, and never what INTO commits appended to them after its start (it did
+  not read those records: a writer's late records stay). A rewrite of its partitions
+  after its start (compaction, privacy delete, another overwrite) is replaced too; only
+  when the same partitions were both appended to and rewritten since its start can the
+  appended records no longer be told apart, and the OVERWRITE fails with
+  `CommitConflictError` (re-run from a fresh snapshot) rather than drop them.
 - UPDATE/DELETE and MERGE (compaction) fail with `CommitConflictError` when any
   commit after their start snapshot touched one of their target partitions (or
   the table, when it is unpartitioned). Commits to other partitions only cost a
@@ -142,6 +146,40 @@ class Conflict:
     reason: str | None = None
 
 
+def commits_touching(
+    table: Table,
+    start_snapshot_id: int | None,
+    targets: Iterable[str],
+    *,
+    start_spec_id: int | None = None,
+    start_sequence_number: int | None = None,
+) -> list[Conflict] | Conflict:
+    """Every commit after `start_snapshot_id` that touched one of `targets`, oldest first.
+
+    A single Conflict with a reason instead when what happened can no longer be known (the
+    partition spec changed, or expiry removed snapshots between the start and the head).
+    """
+    metadata = table.metadata
+    targets = frozenset(targets)
+    if not targets:
+        return []
+    if start_spec_id is not None and metadata.default_spec_id != start_spec_id:
+        return Conflict(metadata.current_snapshot_id, targets, None, None, "the partition spec changed since the job started")
+    chain = snapshots_since(metadata, start_snapshot_id, start_sequence_number)
+    if chain is None:
+        return Conflict(
+            metadata.current_snapshot_id, targets, None, None,
+            f"snapshots between the start snapshot {start_snapshot_id} and the head expired; changes cannot be ruled out",
+        )
+    found = []
+    for snapshot in reversed(chain):  # oldest first
+        hit = overlaps(targets, touched_partitions(snapshot, metadata, table.io).partitions)
+        if hit:
+            summary = summary_of(snapshot)
+            found.append(Conflict(snapshot.snapshot_id, frozenset(hit), summary.get(K.JOB_ID) or summary.get(K.COMMIT_ID), summary.get(K.JOB_KIND)))
+    return found
+
+
 def find_conflict(
     table: Table,
     start_snapshot_id: int | None,
@@ -151,22 +189,9 @@ def find_conflict(
     start_sequence_number: int | None = None,
 ) -> Conflict | None:
     """The oldest commit after `start_snapshot_id` that touched one of `targets` (the one that won), or None."""
-    metadata = table.metadata
-    targets = frozenset(targets)
-    if not targets:
-        return None
-    if start_spec_id is not None and metadata.default_spec_id != start_spec_id:
-        return Conflict(metadata.current_snapshot_id, targets, None, None, "the partition spec changed since the job started")
-    chain = snapshots_since(metadata, start_snapshot_id, start_sequence_number)
-    if chain is None:
-        return Conflict(
-            metadata.current_snapshot_id, targets, None, None,
-            f"snapshots between the start snapshot {start_snapshot_id} and the head expired; changes cannot be ruled out",
-        )
-    for snapshot in reversed(chain):  # oldest first: name the commit that won the race
-        touched = touched_partitions(snapshot, metadata, table.io)
-        hit = overlaps(targets, touched.partitions)
-        if hit:
-            summary = summary_of(snapshot)
-            return Conflict(snapshot.snapshot_id, frozenset(hit), summary.get(K.JOB_ID) or summary.get(K.COMMIT_ID), summary.get(K.JOB_KIND))
-    return None
+    touching = commits_touching(
+        table, start_snapshot_id, targets, start_spec_id=start_spec_id, start_sequence_number=start_sequence_number
+    )
+    if isinstance(touching, Conflict):
+        return touching
+    return touching[0] if touching else None

@@ -2,13 +2,15 @@
 
 Every write that can conflict goes through `Job` (DESIGN §6, the rules in jobs/conflicts.py):
 it records the snapshot it read, the partitions it targets and the files it wrote, and
-commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head;
-UPDATE/DELETE and MERGE fail with `CommitConflictError` when a commit after their start
-touched their partitions. A job that fails or is abandoned deletes the files it wrote.
+commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head
+(an OVERWRITE keeps what INTO commits appended after its start); UPDATE/DELETE and MERGE
+fail with `CommitConflictError` when a commit after their start touched their partitions.
+A job that fails or is abandoned deletes the files it wrote.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +25,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
 from partfin_assets.iceberg.files import WHOLE_TABLE, delete_files, live_files, partition_path, write_data_files
 from partfin_assets.iceberg.history import lineage, summary_of
-from partfin_assets.jobs.conflicts import CommitConflictError, find_conflict
+from partfin_assets.jobs.conflicts import CommitConflictError, Conflict, commits_touching, find_conflict
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
 from partfin_assets.model.summary_keys import JobKind
@@ -81,6 +83,7 @@ class Job:
     before_commit: list[Hook] = field(default_factory=list)
     committed: JobResult | None = None
     aborted: bool = False
+    _split: tuple[int | None, tuple[list[DataFile], list[DataFile]]] | None = field(default=None, repr=False)
 
     @classmethod
     def start(
@@ -160,7 +163,7 @@ class Job:
         out[K.JOB_KIND] = self.kind.value
         if self.partitions and len(self.partitions) <= JOB_PARTITIONS_LIMIT:
             out[K.JOB_PARTITIONS] = compact_json(sorted(self.partitions))
-        if self.kind in FAILING_KINDS and self.start_snapshot_id is not None:
+        if self.kind is not JobKind.INTO and self.start_snapshot_id is not None:  # what it read / replaced
             out[K.JOB_START_SNAPSHOT] = str(self.start_snapshot_id)
         return out
 
@@ -183,10 +186,7 @@ class Job:
             start_spec_id=self.start_spec_id, start_sequence_number=self.start_sequence_number,
         )
         if conflict is not None:
-            raise CommitConflictError(
-                self.identifier, self.kind, self.job_id, conflict.partitions, conflict.snapshot_id,
-                conflict.job_id, conflict.kind, conflict.reason,
-            )
+            raise self._conflict(conflict)
 
     def commit(self, stage: Callable[[Table, object, dict[str, str]], object], *, summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None, max_attempts: int = 50) -> JobResult:
         """Commit once: every attempt reloads the table, checks conflicts, and calls `stage(table, tx, summary)`.
@@ -259,17 +259,55 @@ class Job:
         return self.commit(stage, summary=summary)
 
     def commit_overwrite(self, add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
-        """OVERWRITE: replace everything in the target partitions *at the head the commit lands on* by `add`."""
+        """OVERWRITE: replace what the target partitions hold at the head the commit lands on by `add`,
+        except what INTO commits appended there after this job started (see `overwrite_split`)."""
         if self.kind != JobKind.OVERWRITE:
             raise ValueError(f"commit_overwrite is for OVERWRITE jobs, not {self.kind.value}")
         self.target_files(add)
-        targets = set(self.partitions)
 
         def stage(head, tx, snapshot_summary):
-            replaced = [f for files in live_files(head, None, targets).values() for f in files]
+            replaced, _ = self.overwrite_split(head)
             return _stage_file_swap(tx, snapshot_summary, replaced, add)
 
         return self.commit(stage, summary=summary)
+
+    def overwrite_split(self, head: Table) -> tuple[list[DataFile], list[DataFile]]:
+        """(replaced, kept): the files of the target partitions an OVERWRITE committed on `head` replaces and keeps.
+
+        It replaces what the partitions held when it started and keeps what was appended since (a
+        writer's late records: it did not read them). If what they held was rewritten since
+        (compaction, privacy delete, another overwrite), it replaces everything, unless records were
+        also appended since: those can no longer be told apart at file level, CommitConflictError.
+        """
+        key = head.metadata.current_snapshot_id
+        if self._split is not None and self._split[0] == key:  # summary and stage of one attempt ask alike
+            return self._split[1]
+        live = [f for files in live_files(head, None, self.partitions).values() for f in files]
+        at_start = {f.file_path for files in live_files(self.table, None, self.partitions).values() for f in files}
+        if at_start <= {f.file_path for f in live}:  # nothing rewritten or removed since the start: only appends
+            split = ([f for f in live if f.file_path in at_start], [f for f in live if f.file_path not in at_start])
+        else:
+            touching = commits_touching(
+                head, self.start_snapshot_id, self.partitions,
+                start_spec_id=self.start_spec_id, start_sequence_number=self.start_sequence_number,
+            )
+            if isinstance(touching, Conflict):
+                raise self._conflict(touching)
+            appends = [c for c in touching if c.kind == JobKind.INTO.value]
+            if appends:
+                raise self._conflict(dataclasses.replace(
+                    appends[0], reason="records were appended to these partitions and what they held was rewritten since "
+                    "this job started: the appended records cannot be told apart",
+                ))
+            split = (live, [])
+        self._split = (key, split)
+        return split
+
+    def _conflict(self, conflict: Conflict) -> CommitConflictError:
+        return CommitConflictError(
+            self.identifier, self.kind, self.job_id, conflict.partitions, conflict.snapshot_id,
+            conflict.job_id, conflict.kind, conflict.reason,
+        )
 
 
 def _stage_file_swap(

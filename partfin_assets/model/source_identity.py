@@ -65,6 +65,15 @@ class SourceIdentity:
         fields = json.loads(text)
         return cls(fields["kind"], fields["spec"], fields.get("history") or {}, fields.get("cannot_replay"))
 
+    def mismatch(self, other: SourceIdentity) -> str | None:
+        """Why `other` is not this (recorded) history, e.g. `seed 5 != 7: other generator options ...`; None if it is."""
+        if other.kind != self.kind:
+            return f"a {other.kind} source is not a {self.kind} one"
+        differences = self.differences(other)
+        if not differences:
+            return None
+        return f"{'; '.join(differences)}: {_LIKELY_CAUSE.get(self.kind, 'another history')}"
+
     def differences(self, other: SourceIdentity) -> list[str]:
         """How `other` differs from this recorded history, e.g. `seed 5 != 7` (empty: the same history).
 
@@ -101,13 +110,12 @@ def check_source(identifier: str, recorded: SourceIdentity | None, source: Ident
             f"source into a new table, or drop {identifier} and its base table to start over"
         )
     identity = source.identity(offset)
-    differences = recorded.differences(identity) if recorded is not None else []
-    if differences:
+    why = recorded.mismatch(identity) if recorded is not None else None
+    if why is not None:
         assert recorded is not None
-        cause = _LIKELY_CAUSE.get(recorded.kind, "another history")
         raise SourceMismatch(
             f"{identifier} reads from {recorded.spec}; the source given, {identity.spec}, reads another history "
-            f"({'; '.join(differences)}: {cause}). A table keeps the one change log it started with: give it that "
-            f"source again, or ingest the new one into a new table"
+            f"({why}). A table keeps the one change log it started with: give it that source again, or ingest the "
+            "new one into a new table"
         )
     return identity

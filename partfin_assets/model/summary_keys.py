@@ -29,7 +29,7 @@ JOB_KIND = "partfin.job-kind"
 # the conflict layer (jobs/job.py, DESIGN §6)
 JOB_ID = "partfin.job-id"  # the job that made the commit (caller-supplied, e.g. a Dagster run, or random)
 JOB_PARTITIONS = "partfin.job.partitions"  # JSON list of the partition paths a job targeted (omitted past 200)
-JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an UPDATE/DELETE or MERGE job read
+JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an OVERWRITE, UPDATE/DELETE or MERGE job read
 # compaction (jobs/compaction.py)
 COMPACTION_FILES_BEFORE = "partfin.compaction.files-before"
 COMPACTION_FILES_AFTER = "partfin.compaction.files-after"
@@ -40,6 +40,8 @@ REPLAY_RECORDS = "partfin.replay.records"  # records the hour holds after the re
 REPLAY_REPLACED_RECORDS = "partfin.replay.replaced-records"  # records the hour held before (at the head it replaced)
 REPLAY_ADDED_RECORDS = "partfin.replay.added-records"  # records new to the hour (not there before, by key+source_seq)
 REPLAY_REMOVED_RECORDS = "partfin.replay.removed-records"  # records gone from the hour
+REPLAY_KEPT_RECORDS = "partfin.replay.kept-records"  # records writers appended to the hour after the replay started: kept
+REPLAY_SOURCE = "partfin.replay.source"  # JSON [{"source": spec, "until": offset}]: the history the replay read
 REPLAY_EVENT_TIME_MIN = "partfin.replay.event-time.min"
 REPLAY_EVENT_TIME_MAX = "partfin.replay.event-time.max"
 # the upsert into base.<table> (jobs/upsert): what one run merged

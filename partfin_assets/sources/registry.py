@@ -15,7 +15,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from partfin_assets.model.records import CdcSource
+from partfin_assets.model.records import CdcSource, ReplayableSource
+from partfin_assets.model.source_identity import ReplayNotPossible, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso
 from partfin_assets.sources.debezium import DebeziumFileSource, debezium_table_spec
@@ -111,6 +112,15 @@ def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[
     if not key_columns:
         raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
     return debezium_table_spec(_debezium_path(spec_text.strip().partition(":")[2], spec_text), table_name, key_columns)
+
+
+def open_history(identity: SourceIdentity, table: TableSpec) -> ReplayableSource:
+    """The source that reads a recorded history again (its spec names it exactly: a file, a generator's options)."""
+    if identity.cannot_replay:
+        raise ReplayNotPossible(f"{identity.spec} cannot read its history again: {identity.cannot_replay}")
+    source = make_source(identity.spec, table)
+    assert hasattr(source, "history"), f"{type(source).__name__} reads no history but its identity says it can"
+    return source  # type: ignore[return-value]
 
 
 _POSTGRES_OPTIONS: dict[str, Callable[[str], Any]] = {

@@ -1,16 +1,18 @@
-"""cdc/<table> as an executable asset: materializing hour partition H replays H from the source.
+"""cdc/<table> as an executable asset: materializing hour partition H replays H from the recorded history.
 
 The CDC writer (the `sync_<table>` job) keeps reporting a materialization for every hour a
 checkpoint touched; a *manual* materialization of a partition (UI "Materialize", `dagster asset
 materialize --partition`, or a backfill: one run per partition) reads that hour again from the
-table's source and OVERWRITEs the hour in cdc.<table> (jobs/replay.py). By the conflict matrix
-an OVERWRITE never conflicts with the writer's INTO commits, so it may run while sync runs; one
-replay per table at a time is enforced with the op's pool `partfin_replay_<table>` (limit 1 by
-`concurrency.pools.default_limit` in dagster.yaml; pools also apply to runs launched from the UI,
-which carry no job tags).
+history the table's writers read, up to what they had committed (never from the configured source
+as it is now, jobs/replay.py), and OVERWRITEs the hour in cdc.<table>. It may run while sync runs:
+it keeps what the writer appends meanwhile. One replay per table at a time is enforced with the
+op's pool `partfin_replay_<table>` (limit 1 by `concurrency.pools.default_limit` in dagster.yaml;
+pools also apply to runs launched from the UI, which carry no job tags).
 
-Only finalized hours are replayed unless run config says `force: true`: records of an open hour
-that the writer has not ingested yet would be appended again by the writer after the replay.
+A source that cannot read its history again (a replication slot) or no longer holds it (a changed
+file) fails the run at once with the reason; so does a replay that would remove far more records
+than it adds, unless run config says `force: true`. Any hour may be replayed, open or final: a
+replay reads only what the writer committed, so the writer never appends a record twice.
 """
 
 
@@ -19,17 +21,18 @@ from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
 from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
-from partfin_assets.finalization.hours import hour_from_key, not_finalized_reason
+from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.finalization.partition_metadata import checkpoint_reports
-from partfin_assets.iceberg.history import summary_of, watermark_of
-from partfin_assets.jobs.replay import ReplayResult, replay_hour_from_source
+from partfin_assets.iceberg.history import summary_of
+from partfin_assets.jobs.replay import ReplayRefused, ReplayResult, replay_hour_from_history
+from partfin_assets.model.source_identity import ReplayNotPossible
 from partfin_assets.model.timeutil import iso_z
 
 
 class ReplayConfig(Config):
-    force: bool = False  # replay an hour that is not finalized yet (see the module docstring)
-    max_batches: int | None = None  # stop reading the source after this many batches (following sources)
+    force: bool = False  # replace the hour even if that removes far more records than it adds (see the module docstring)
 
 
 def replay_pool(table: PartfinTable) -> str:
@@ -65,30 +68,29 @@ def build_cdc_asset(table: PartfinTable):
         metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy},
         description=f"cdc.{name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
         f"Written by the `sync_{name}` job (every checkpoint reports the hours it touched). Materializing a partition "
-        f"by hand (or a backfill) replays that hour from the source: an OVERWRITE of the hour in cdc.{name}.",
+        f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "
+        f"OVERWRITE of the hour in cdc.{name} that keeps what the writer appends meanwhile.",
     )
     def cdc(context: AssetExecutionContext, config: ReplayConfig, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource) -> MaterializeResult:
         hour = hour_from_key(context.partition_key)
         iceberg = catalog.load()
         try:
-            current = iceberg.load_table(f"cdc.{name}")
+            iceberg.load_table(f"cdc.{name}")
         except (NoSuchTableError, NoSuchNamespaceError):
             raise Failure(description=f"cdc.{name} does not exist yet: run sync_{name} first", allow_retries=False)
-        watermark = watermark_of(current.properties)
-        refusal = not_finalized_reason(hour, watermark, f"cdc.{name}")
-        if refusal and not config.force:
+        try:
+            with retry_on_conflict(context, f"replay of {iso_z(hour)} of cdc.{name}"):  # a rewrite raced its appends
+                result = replay_hour_from_history(
+                    iceberg, name, hour,
+                    job_id=f"dagster-{context.run.run_id}-{context.partition_key}",  # a step re-run finds its own commit
+                    force=config.force, max_records=cdc_source.max_records,
+                )
+        except ReplayRefused as exc:
             raise Failure(
-                description=(
-                    f"{refusal}: the writer may still append records of it. To replay it anyway, set run config "
-                    f"ops.{table.cdc_key.to_python_identifier()}.config.force: true."
-                ),
-                allow_retries=False,
-            )
-        result = replay_hour_from_source(
-            iceberg, name, hour, cdc_source.open(table),
-            job_id=f"dagster-{context.run.run_id}-{context.partition_key}",  # a step re-run finds its own commit
-            max_records=cdc_source.max_records, max_batches=config.max_batches,
-        )
+                description=f"{exc} (ops.{table.cdc_key.to_python_identifier()}.config.force: true)", allow_retries=False
+            ) from None
+        except ReplayNotPossible as exc:
+            raise Failure(description=str(exc), allow_retries=False) from None
         summary, committed_at = None, 0
         if result.snapshot_id is not None:
             snapshot = iceberg.load_table(f"cdc.{name}").metadata.snapshot_by_id(result.snapshot_id)
@@ -96,8 +98,9 @@ def build_cdc_asset(table: PartfinTable):
                 summary = summary_of(snapshot)
                 committed_at = snapshot.timestamp_ms * 1000
         context.log.info(
-            f"replayed {iso_z(hour)} of cdc.{name}: {result.records} records ({result.added_records} added, "
-            f"{result.removed_records} removed, {result.late_records} late), snapshot {result.snapshot_id}"
+            f"replayed {iso_z(hour)} of cdc.{name} from {result.history}: {result.records} records ({result.added_records} "
+            f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
+            f"{result.late_records} late), snapshot {result.snapshot_id}"
         )
         return MaterializeResult(metadata=dagster_metadata(replay_metadata(name, result, summary, committed_at)))
 
