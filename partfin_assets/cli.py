@@ -139,13 +139,20 @@ def _status(args: argparse.Namespace) -> int:
     if not statuses:
         print("no partfin tables yet: run `partfin ingest --table T --source ...` first")
         return 0
-    header = f"{'table':<24} {'watermark':<22} {'finalized through':<22} {'policy':<22} {'checkpoint':>10} {'late':>8}"
+    header = (
+        f"{'table':<24} {'watermark':<22} {'finalized through':<22} {'policy':<22} {'checkpoint':>10} {'late':>8} "
+        f"{'rejected':>9} {'quarantined':>11}"
+    )
     print(header)
     for s in statuses:
         print(
             f"{s.name:<24} {s.watermark or '-':<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
-            f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8}"
+            f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
+            f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
         )
+    quarantined = [s for s in statuses if s.quarantined]
+    for s in quarantined:
+        print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
     return 0
 
 

@@ -14,10 +14,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
+from dagster import AssetCheckSeverity, DagsterInstance
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from partfin_assets.defs import build_definitions
+from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
@@ -27,6 +30,7 @@ from partfin_assets_tests.test_cli import partfin
 from partfin_assets_tests.test_postgres_source import drop_slots
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
+SHOP = TableSpec("shop", ("id",), {"id": pa.int64(), "amount": pa.float64()})
 T0_MS = int(T0.timestamp() * 1000)
 MINUTE_MS = 60_000
 HOUR_MS = 60 * MINUTE_MS
@@ -118,7 +122,6 @@ def assert_non_finite_kept(values: dict) -> None:
     assert shown == {1: "nan", 2: "inf", 3: "-inf", 4: "1.5"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 §2: the upsert reads 'NaN' / 'Infinity' in a double column as an error")
 def test_debezium_nan_and_infinity_reach_base(tmp_path):
     fields = {"id": {"type": "int64", "optional": False}, "reading": {"type": "double", "optional": True}}
     lines = [change_line({"id": k, "reading": v}, T0_MS + k * MINUTE_MS, fields=fields) for k, v in DOUBLES.items()]
@@ -184,7 +187,7 @@ def test_postgres_nan_and_infinity_are_kept_or_refused_never_nulled(postgres, tm
 
 def write_changes(home: Path, changes: list[tuple[int, str, int, str | None]], checkpoint: int) -> None:
     """Commit CDC rows (key id, op, minute, payload) the way any source would, through the CDC writer."""
-    spec = TableSpec("shop", ("id",), {"id": pa.int64(), "amount": pa.float64()})
+    spec = SHOP
     records = pa.table(
         {
             "key": [json.dumps({"id": k}, separators=(",", ":")) for k, _, _, _ in changes],
@@ -206,7 +209,6 @@ def amount(key: int, value) -> str:
     return json.dumps({"id": key, "amount": value})
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 §2: one undecodable payload blocks the upsert of the whole table")
 def test_undecodable_payload_is_quarantined_once_and_the_table_merges_on(tmp_path):
     # key 7's first change carries a payload that fits no double (a source bug, an older partfin...)
     write_changes(tmp_path, [(k, "c", k, amount(k, k * 1.5)) for k in range(1, 7)] + [(7, "c", 7, amount(7, "lots"))], 1)
@@ -233,6 +235,23 @@ def test_undecodable_payload_is_quarantined_once_and_the_table_merges_on(tmp_pat
     assert "amount" in row["reason"]
     (entry,) = [t for t in status["tables"] if t["name"] == "base.shop"]
     assert entry["quarantined"] == 1
+    text = partfin(tmp_path, "status").stdout
+    assert "base.shop: 1 change(s) could not be decoded: see base.shop__rejected" in text
+
+    # the Dagster check on base/shop says so too
+    check = quarantine_check(tmp_path)
+    assert not check.passed and check.severity == AssetCheckSeverity.WARN
+    assert check.metadata["records"].value == 1 and "base.shop__rejected" in check.description
+
+
+def quarantine_check(home: Path):
+    env = {"PARTFIN_HOME": str(home), "PARTFIN_CATALOG_URI": "", "PARTFIN_CATALOG": ""}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        table = PartfinTable(spec=SHOP, source="synthetic")
+        result = build_definitions([table]).resolve_job_def("checks_shop").execute_in_process(instance=DagsterInstance.ephemeral())
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}["quarantined_changes"]
 
 
 # --------------------------------------------------------------------------- idle streams

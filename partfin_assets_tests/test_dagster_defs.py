@@ -68,7 +68,7 @@ def test_definitions_declare_three_layers_per_table():
         for name in (f"sync_{table.name}_sensor", f"finalize_{table.name}_sensor", f"checks_{table.name}_sensor"):
             assert sensors[name].default_status.value == "RUNNING"
         checks = {k.name for k in repo.asset_graph.asset_check_keys if k.asset_key == table.cdc_key}
-        assert checks == {"watermark_fresh", "watermark_monotonic", "late_data"}
+        assert checks == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
 
 
 def test_pipeline_in_process(env, monkeypatch):
@@ -157,6 +157,7 @@ def test_pipeline_in_process(env, monkeypatch):
     assert json.dumps(late.metadata["commits"].value)
     assert not evaluations["watermark_fresh"].passed  # a 2026-01-01 stream is months old
     assert evaluations["late_data_after_run"].passed
+    assert evaluations["rejected_input"].passed and evaluations["quarantined_changes"].passed
 
     # every finalized hour runs; then the stream goes on and late rows land in hours that ran
     for key in keys[1:]:

@@ -43,18 +43,6 @@ def _corpus_dir() -> Path | None:
 CORPUS = _corpus_dir()
 FILES = sorted(p.stem for p in CORPUS.glob("*.jsonl")) if CORPUS else []
 
-# Files that do not land exactly yet, and why.
-BEFORE = {
-    "mysql_all_types": "the upsert has no JSON mapping for geometry structs",
-}
-
-
-def _params():
-    for name in FILES:
-        marks = [pytest.mark.xfail(strict=True, reason=f"issue 11 §1: {BEFORE[name]}")] if name in BEFORE else []
-        yield pytest.param(name, marks=marks, id=name)
-
-
 # --------------------------------------------------------------------------- what a user expects
 
 
@@ -238,7 +226,7 @@ def _describe(field: dict | None) -> str:
 
 
 @pytest.mark.skipif(CORPUS is None, reason="../shared/debezium-corpus is not next to this repository (or set PARTFIN_DEBEZIUM_CORPUS)")
-@pytest.mark.parametrize("name", list(_params()))
+@pytest.mark.parametrize("name", FILES)
 def test_corpus_file_lands_in_base_exactly(tmp_path, name):
     problems = corpus_differences(tmp_path, name)
     report = "\n".join(f"  {p}" for p in problems) or "  all rows and columns as expected"

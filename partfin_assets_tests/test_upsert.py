@@ -20,7 +20,6 @@ from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import list_table_files, referenced_files
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
-from partfin_assets.jobs.upsert.payload import UpsertPayloadError
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
 from partfin_assets.model.summary_keys import JobKind
@@ -192,20 +191,28 @@ def test_only_touched_buckets_are_rewritten(h: Harness):
     assert len(h.live()) == 200 and h.live()[7] == (70.0, 1000)
 
 
-def test_bad_payload_is_rejected_naming_table_key_column_and_nothing_applied(h: Harness):
+def quarantined(h: Harness) -> list[dict]:
+    return h.catalog.load_table(h.spec.quarantine_identifier).scan().to_arrow().sort_by("source_seq").to_pylist()
+
+
+def test_bad_payload_is_quarantined_naming_key_column_and_reason_and_the_rest_merges(h: Harness):
     h.write([(1, "c", 0, 1, 1.0)])
     h.upsert()
-    base_snapshots = len(h.base().metadata.snapshots)
-    source = h.base().properties[K.PROP_SOURCE_SNAPSHOT_ID]
-    h.write([(2, "c", 1, 2, 2.0)])  # good, but in the same run as the bad one below
+    h.write([(2, "c", 1, 2, 2.0)])  # good, in the same run as the bad one below
     h.write(table=records([(3, "c", 2, 3, 3.0)], payload=lambda c: json.dumps({"id": 3, "amount": "lots", "status": "x"})))
-    with pytest.raises(UpsertPayloadError) as info:
-        h.upsert()
-    assert (info.value.table, info.value.key, info.value.column) == ("orders", '{"id":3}', "amount")
-    assert "'orders'" in str(info.value) and '{"id":3}' in str(info.value) and "'amount'" in str(info.value)
-    assert len(h.base().metadata.snapshots) == base_snapshots
-    assert h.base().properties[K.PROP_SOURCE_SNAPSHOT_ID] == source
-    assert h.live() == {1: (1.0, 1)}
+    result = h.upsert()
+    assert h.live() == {1: (1.0, 1), 2: (2.0, 2)}
+    assert h.base().properties[K.PROP_SOURCE_SNAPSHOT_ID] == str(h.cdc().current_snapshot().snapshot_id)
+    assert result.quarantined == 1 and "quarantined in base.orders__rejected: 1" in result.describe()
+    assert summary_of(h.base().current_snapshot())[K.UPSERT_QUARANTINED] == "1"
+    (row,) = quarantined(h)
+    assert (row["key"], row["op"], row["source_seq"], row["column"]) == ('{"id":3}', "c", 3, "amount")
+    assert row["event_time"] == T0 + timedelta(minutes=2) and row["cdc_snapshot_id"] == h.cdc().current_snapshot().snapshot_id
+    assert "string" in row["reason"] and json.loads(row["payload"])["amount"] == "lots"
+
+    h.write([(3, "u", 5, 4, 30.0)])  # a later good change of the key merges as usual
+    h.upsert()
+    assert h.live()[3] == (30.0, 4) and len(quarantined(h)) == 1
 
 
 @pytest.mark.parametrize(
@@ -215,15 +222,36 @@ def test_bad_payload_is_rejected_naming_table_key_column_and_nothing_applied(h: 
         ({"id": 3, "amount": 1.0, "status": 5}, "status", "string"),
         ({"id": 4, "amount": 1.0, "status": "x"}, "id", "disagrees"),
         ({"id": None, "amount": 1.0, "status": "x"}, "id", "null"),
+        ({"id": 3, "amount": "NaN", "status": "x", "note": 1}, None, None),  # NaN is a double: it merges
     ],
 )
 def test_payload_errors_name_the_column(h: Harness, payload, column, reason):
-    h.write(table=records([(3, "c", 0, 1, 1.0)], payload=lambda c: json.dumps(payload)))
-    with pytest.raises(UpsertPayloadError) as info:
-        h.upsert()
-    assert info.value.column == column and info.value.key == '{"id":3}'
-    assert reason in str(info.value)
-    assert h.base().current_snapshot() is None
+    h.write(table=records([(3, "c", 0, 1, 1.0), (5, "c", 0, 2, 5.0)], payload=lambda c: json.dumps(payload if c[0] == 3 else {"id": 5, "amount": 5.0, "status": "y"})))
+    h.upsert()
+    if column is None:
+        assert str(h.live()[3][0]) == "nan" and not h.catalog.table_exists(h.spec.quarantine_identifier)
+        return
+    (row,) = quarantined(h)
+    assert row["column"] == column and row["key"] == '{"id":3}' and reason in row["reason"]
+    assert h.live() == {5: (5.0, 2)}
+
+
+def test_every_unfit_change_is_found_and_quarantined_once(h: Harness):
+    def payload(c: Change) -> str:
+        return json.dumps({"id": c[0], "amount": "x" if c[0] % 10 == 0 else c[4], "status": "s"})
+
+    h.write(table=records([(i, "c", i, i, float(i)) for i in range(1, 101)], payload=payload))
+    h.write(table=records([(0, "x", 0, 0, None)]))  # an unknown op
+    h.upsert()
+    assert [r["key"] for r in quarantined(h)] == ['{"id":0}', *[f'{{"id":{i}}}' for i in range(10, 101, 10)]]
+    assert quarantined(h)[0]["column"] == "op"
+    assert len(h.live()) == 90
+    # a full re-merge reads every CDC file again: nothing is quarantined twice
+    with h.catalog.load_table(h.spec.base_identifier).transaction() as tx:
+        tx.remove_properties(K.PROP_SOURCE_SNAPSHOT_ID)
+    again = h.upsert()
+    assert again.quarantined == 11 and again.changes_read == 101  # found again,
+    assert len(quarantined(h)) == 11  # held once
 
 
 def test_explicit_null_is_a_value(h: Harness):

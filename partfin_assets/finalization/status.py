@@ -8,7 +8,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
-from partfin_assets.iceberg.history import late_records_total, lineage, summary_of
+from partfin_assets.iceberg.history import late_records_total, lineage, summary_of, total_records
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import HOUR, iso_z, parse_iso
 
@@ -24,12 +24,17 @@ class TableStatus:
     late_records: int
     snapshots: int
     source_snapshot_id: int | None = None  # base tables: the CDC snapshot merged
+    # cdc tables: lines the writer could not read (cdc.<t>__rejected); base tables: changes the
+    # upsert could not decode (base.<t>__rejected, the quarantine)
+    rejected: int = 0
+    quarantined: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def table_status(identifier: str, table: Table) -> TableStatus:
+def table_status(identifier: str, table: Table, rejected: Table | None = None) -> TableStatus:
+    """The status of cdc.<t> or base.<t>; `rejected` is its __rejected table, if it has one."""
     properties = table.properties
     watermark = properties.get(K.PROP_WATERMARK)
     checkpoint_id = None
@@ -49,6 +54,8 @@ def table_status(identifier: str, table: Table) -> TableStatus:
         late_records=late_records_total(table.metadata),
         snapshots=len(table.metadata.snapshots),
         source_snapshot_id=int(source_snapshot) if source_snapshot else None,
+        rejected=total_records(rejected) if rejected is not None and identifier.startswith("cdc.") else 0,
+        quarantined=total_records(rejected) if rejected is not None and identifier.startswith("base.") else 0,
     )
 
 
@@ -59,9 +66,10 @@ def all_table_status(catalog: Catalog) -> list[TableStatus]:
             identifiers = catalog.list_tables(namespace)
         except NoSuchNamespaceError:
             continue
-        for ident in sorted(identifiers):
-            name = ".".join(ident)
+        names = {".".join(ident) for ident in identifiers}
+        for name in sorted(names):
             if name.endswith("__rejected"):
                 continue
-            out.append(table_status(name, catalog.load_table(name)))
+            rejected = catalog.load_table(f"{name}__rejected") if f"{name}__rejected" in names else None
+            out.append(table_status(name, catalog.load_table(name), rejected))
     return out

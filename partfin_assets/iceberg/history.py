@@ -187,3 +187,10 @@ def late_records_total(metadata: TableMetadata) -> int:
         if total is not None:
             return int(total)
     return 0
+
+
+def total_records(table: Table) -> int:
+    """Records a table holds, from its current snapshot's summary (no data file read)."""
+    snapshot = table.current_snapshot()
+    summary = summary_of(snapshot) if snapshot is not None else {}
+    return int(summary.get("total-records", 0))

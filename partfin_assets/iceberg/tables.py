@@ -84,6 +84,26 @@ def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partiti
         pass  # another writer created it first
 
 
+# base.<table>__rejected: CDC changes the upsert could not decode, each once (by key, op, event time
+# and source position), with the column and reason and the CDC snapshot it was found at.
+QUARANTINE_SCHEMA = Schema(
+    NestedField(1, "key", StringType(), required=True),
+    NestedField(2, "op", StringType(), required=True),
+    NestedField(3, "event_time", TimestamptzType(), required=True),
+    NestedField(4, "source_seq", LongType(), required=True),
+    NestedField(5, "payload", StringType(), required=False),
+    NestedField(6, "column", StringType(), required=False),
+    NestedField(7, "reason", StringType(), required=True),
+    NestedField(8, "cdc_snapshot_id", LongType(), required=True),
+)
+
+
+def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
+    ensure_namespaces(catalog, "base")
+    _create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    return catalog.load_table(spec.quarantine_identifier)
+
+
 # Metadata columns of base.<table>.
 EVENT_TIME = "_event_time"  # event time of the change that wrote the row (its hour is the row's base partition)
 SOURCE_SEQ = "_source_seq"  # its source position: breaks event-time ties

@@ -51,6 +51,8 @@ UPSERT_UPDATED = "partfin.upsert.updated"
 UPSERT_DELETED = "partfin.upsert.deleted"
 UPSERT_STALE = "partfin.upsert.stale"
 UPSERT_HOURS = "partfin.upsert.hours-touched"  # JSON list of hours (ISO Z) whose visible rows changed
+UPSERT_QUARANTINED = "partfin.upsert.quarantined"  # changes this run could not decode (in base.<table>__rejected)
+QUARANTINED_RECORDS = "partfin.quarantined-records"  # on base.<table>__rejected: changes a commit added
 # privacy delete (jobs/privacy.py): never the keys themselves, only the request
 PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
 PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"

@@ -125,4 +125,10 @@ class TableSpec:
 
     @property
     def rejected_identifier(self) -> str:
+        """Lines the CDC writer could not read (the raw line and why)."""
         return f"cdc.{self.name}__rejected"
+
+    @property
+    def quarantine_identifier(self) -> str:
+        """CDC changes the upsert could not decode (key, source position and why)."""
+        return f"base.{self.name}__rejected"

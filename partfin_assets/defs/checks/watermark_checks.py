@@ -1,7 +1,7 @@
-"""Asset checks that read watermark metadata (table properties, snapshot summaries), never data files.
+"""Asset checks that read table metadata (table properties, snapshot summaries), never data files.
 
-cdc/<table>:  watermark_fresh, watermark_monotonic, late_data
-base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc
+cdc/<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input
+base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
 downstream:   late_data_after_run
 """
 
@@ -26,7 +26,7 @@ from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hours import hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
-from partfin_assets.iceberg.history import summary_of, watermark_history, watermark_of
+from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
@@ -188,7 +188,18 @@ def build_checks(table: PartfinTable):
             metadata=dagster_metadata({"partitions_to_rerun": keys[-MAX_LISTED:], "details": {k: stale[k] for k in keys[-MAX_LISTED:]}}),
         )
 
-    checks = [watermark_fresh, watermark_monotonic, late_data_check, base_matches_cdc, base_lag, late_after]
+    @asset_check(asset=table.cdc_key, name="rejected_input", description=(
+        f"Source lines or changes cdc.{name}'s writer could not read (cdc.{name}__rejected: raw line and reason); WARN."))
+    def rejected_input(catalog: IcebergCatalogResource) -> AssetCheckResult:
+        return _bad_input_result(catalog, f"cdc.{name}__rejected", f"source line(s) of cdc.{name} could not be read")
+
+    @asset_check(asset=table.base_key, name="quarantined_changes", description=(
+        f"CDC changes the upsert could not decode into base.{name} (base.{name}__rejected: key, source position, "
+        "column, reason); the rest of the table merges on. WARN."))
+    def quarantined_changes(catalog: IcebergCatalogResource) -> AssetCheckResult:
+        return _bad_input_result(catalog, f"base.{name}__rejected", f"change(s) of cdc.{name} could not be decoded into base.{name}")
+
+    checks = [watermark_fresh, watermark_monotonic, late_data_check, rejected_input, base_matches_cdc, base_lag, quarantined_changes, late_after]
     checks_job = define_asset_job(
         f"checks_{name}",
         selection=AssetSelection.checks(*checks),
@@ -197,6 +208,20 @@ def build_checks(table: PartfinTable):
         description=f"Evaluates the watermark checks of {name} (metadata only).",
     )
     return checks, checks_job
+
+
+def _bad_input_result(catalog: IcebergCatalogResource, identifier: str, what: str) -> AssetCheckResult:
+    held = _load(catalog, identifier)
+    count = total_records(held) if held is not None else 0
+    metadata = dagster_metadata({"records": count, "table": identifier})
+    if not count:
+        return AssetCheckResult(passed=True, description=f"{identifier} is empty", metadata=metadata)
+    return AssetCheckResult(
+        passed=False,
+        severity=AssetCheckSeverity.WARN,
+        description=f"{count} {what}: see {identifier} (with the reason of each)",
+        metadata=metadata,
+    )
 
 
 def build_checks_sensor(table: PartfinTable, checks_job):

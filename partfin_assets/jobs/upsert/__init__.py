@@ -5,7 +5,8 @@ One run is one UPDATE/DELETE `Job` on base.<table> (DESIGN §6), in four steps, 
 1. plan.py: which CDC data files are new since the position base.<table> merged up to,
    read at one pinned snapshot of each table;
 2. decode.py (+ payload.py): CDC rows -> typed change rows, one winner per primary key by
-   (event time, source position);
+   (event time, source position); a change that does not decode goes to base.<table>__rejected
+   (quarantine.py) with its reason, once, and the rest merges;
 3. merge.py: the winners against the base rows of the buckets they touch (polars); deletes
    become tombstones;
 4. commit.py: one overwrite commit that swaps the rewritten buckets' files and sets position and
@@ -16,7 +17,6 @@ re-run from fresh data by the one retry policy (jobs/retry.py), never retried in
 """
 
 from partfin_assets.jobs.upsert.commit import sync_merged_tag
-from partfin_assets.jobs.upsert.payload import UpsertPayloadError
 from partfin_assets.jobs.upsert.run import UpsertResult, run_upsert
 
-__all__ = ["UpsertPayloadError", "UpsertResult", "run_upsert", "sync_merged_tag"]
+__all__ = ["UpsertResult", "run_upsert", "sync_merged_tag"]

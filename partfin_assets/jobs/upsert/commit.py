@@ -29,7 +29,7 @@ from partfin_assets.model.stats import compact_json
 log = logging.getLogger(__name__)
 
 
-def commit_merge(job: Job, plan: UpsertPlan, merge: Merge, new_files: list[DataFile]) -> JobResult:
+def commit_merge(job: Job, plan: UpsertPlan, merge: Merge, new_files: list[DataFile], *, quarantined: int = 0) -> JobResult:
     """Commit the merge as `job` (started on base.<table> at the plan's snapshot); conflicts raise."""
     position = {K.PROP_SOURCE_TABLE: plan.spec.cdc_identifier, K.PROP_SOURCE_SNAPSHOT_ID: str(plan.cdc_snapshot.snapshot_id)}
     summary = {
@@ -41,6 +41,8 @@ def commit_merge(job: Job, plan: UpsertPlan, merge: Merge, new_files: list[DataF
         K.UPSERT_STALE: str(merge.stale),
         K.UPSERT_HOURS: compact_json(merge.hours),
     }
+    if quarantined:
+        summary[K.UPSERT_QUARANTINED] = str(quarantined)
     properties = dict(position)
     if plan.watermark:
         summary[K.WATERMARK] = plan.watermark

@@ -1,60 +1,99 @@
 """Upsert step 2, decode: CDC rows -> typed change rows, then one winning change per primary key.
 
-Keys and payloads are decoded into the declared typed columns (jobs/upsert/payload.py). Any
-change that does not fit aborts the run before anything is written.
+Keys and payloads are decoded into the declared typed columns (jobs/upsert/payload.py). A change
+that does not fit (an unknown op, a key or payload that does not decode, a payload whose key
+columns disagree with its key) is set aside with its reason for the quarantine
+(jobs/upsert/quarantine.py); the other changes merge as if it were not there.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, base_columns
-from partfin_assets.jobs.upsert.payload import UpsertPayloadError, decode_columns
+from partfin_assets.jobs.upsert.payload import decode_columns
 from partfin_assets.model.tablespec import TableSpec
 
 OPS_UPSERT = ("c", "u", "r")
 OP_DELETE = "d"
+CHANGE_COLUMNS = ["key", "op", "event_time", "source_seq", "payload"]
 
 
-def decode_changes(spec: TableSpec, raw: pa.Table) -> pl.DataFrame:
-    """CDC rows -> typed change rows: declared columns + _event_time, _source_seq, _deleted (not yet deduplicated)."""
+def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Table]:
+    """CDC rows -> (typed change rows: declared columns + _event_time, _source_seq, _deleted, not yet
+    deduplicated; the CDC rows that do not fit, with `column` and `reason`)."""
     columns = base_columns(spec)
     pk = list(spec.primary_key)
-    frame = pl.from_arrow(raw.select(["key", "op", "event_time", "source_seq", "payload"]))
-    assert isinstance(frame, pl.DataFrame)
-    bad_op = frame.filter(~pl.col("op").is_in([*OPS_UPSERT, OP_DELETE]))
-    if bad_op.height:
-        raise UpsertPayloadError(spec.name, bad_op["key"][0], "op", f"unknown CDC operation {bad_op['op'][0]!r}")
-    keys = raw.column("key")
-    key_values = pl.from_arrow(decode_columns(spec.name, keys, keys, {c: columns[c] for c in pk}, pk))
-    is_delete = frame.get_column("op") == OP_DELETE
-    upsert_mask = pa.array((~is_delete).to_arrow())
-    upsert_keys = pc.filter(keys, upsert_mask)
-    values = pl.from_arrow(decode_columns(spec.name, upsert_keys, pc.filter(raw.column("payload"), upsert_mask), columns, pk))
+    raw = raw.select(CHANGE_COLUMNS)
+    unfit: dict[int, tuple[str | None, str]] = {}  # CDC row -> (column, reason)
+
+    def set_aside(rows: np.ndarray, found, prefix: str = "") -> np.ndarray:
+        """Record the unfit among `rows` (indexes into raw); the rows that remain."""
+        for u in found:
+            unfit[int(rows[u.index])] = (u.column, prefix + u.reason)
+        return np.delete(rows, [u.index for u in found])
+
+    rows = np.arange(raw.num_rows)
+    ops = raw.column("op")
+    known_op = pc.is_in(ops, pa.array([*OPS_UPSERT, OP_DELETE])).to_numpy(zero_copy_only=False)
+    for row in rows[~known_op]:
+        unfit[int(row)] = ("op", f"unknown CDC operation {ops[int(row)].as_py()!r}")
+    rows = rows[known_op]
+
+    keys = raw.column("key").take(rows)
+    key_values, bad_keys = decode_columns(keys, {c: columns[c] for c in pk}, pk)
+    rows = set_aside(rows, bad_keys, "key: ")
+    key_values = pl.from_arrow(key_values)
+
+    is_delete = (pc.equal(raw.column("op").take(rows), OP_DELETE)).to_numpy(zero_copy_only=False)
+    upsert_rows = rows[~is_delete]
+    values, bad_payloads = decode_columns(raw.column("payload").take(upsert_rows), columns, pk)
+    upsert_key_values = key_values.filter(pl.Series(~is_delete))
+    if bad_payloads:
+        kept = np.ones(len(upsert_rows), dtype=bool)
+        kept[[u.index for u in bad_payloads]] = False
+        upsert_key_values = upsert_key_values.filter(pl.Series(kept))
+        upsert_rows = set_aside(upsert_rows, bad_payloads)
+    values = pl.from_arrow(values)
     assert isinstance(values, pl.DataFrame) and isinstance(key_values, pl.DataFrame)
     # The after-image must describe the row its key names.
-    upsert_key_values = key_values.filter(~is_delete)
+    disagree = np.zeros(values.height, dtype=bool)
     for c in pk:
-        differs = values.get_column(c).ne_missing(upsert_key_values.get_column(c))
-        if differs.any():
-            index = int(differs.arg_true()[0])
-            raise UpsertPayloadError(
-                spec.name, upsert_keys[index].as_py(), c,
-                f"payload value {values.get_column(c)[index]!r} disagrees with the change key",
-            )
-    meta = frame.select(
+        differs = values.get_column(c).ne_missing(upsert_key_values.get_column(c)).to_numpy()
+        for index in np.flatnonzero(differs & ~disagree):
+            unfit[int(upsert_rows[index])] = (c, f"payload value {values.get_column(c)[int(index)]!r} disagrees with the change key")
+        disagree |= differs
+    values = values.filter(pl.Series(~disagree))
+    upsert_rows = upsert_rows[~disagree]
+
+    delete_rows = rows[is_delete]
+    upserts = pl.concat([values, _meta(raw, upsert_rows)], how="horizontal")
+    deletes = pl.concat([key_values.filter(pl.Series(is_delete)), _meta(raw, delete_rows)], how="horizontal")
+    empty = pl.DataFrame(schema={**{c: pl.from_arrow(pa.array([], t)).dtype for c, t in columns.items()}, **_meta(raw, rows[:0]).schema})
+    changes = pl.concat([empty, upserts, deletes], how="diagonal_relaxed")
+    return changes, _unfit_rows(raw, unfit)
+
+
+def _meta(raw: pa.Table, rows: np.ndarray) -> pl.DataFrame:
+    frame = pl.from_arrow(raw.take(rows))
+    assert isinstance(frame, pl.DataFrame)
+    return frame.select(
         pl.col("event_time").alias(EVENT_TIME),
         pl.col("source_seq").alias(SOURCE_SEQ),
         (pl.col("op") == OP_DELETE).alias(DELETED),
         pl.col("op"),
         pl.col("payload"),
     )
-    upserts = pl.concat([values, meta.filter(~is_delete)], how="horizontal")
-    deletes = pl.concat([key_values.filter(is_delete), meta.filter(is_delete)], how="horizontal")
-    empty = pl.DataFrame(schema={**{c: pl.from_arrow(pa.array([], t)).dtype for c, t in columns.items()}, **meta.schema})
-    return pl.concat([empty, upserts, deletes], how="diagonal_relaxed")
+
+
+def _unfit_rows(raw: pa.Table, unfit: dict[int, tuple[str | None, str]]) -> pa.Table:
+    order = sorted(unfit)
+    rows = raw.take(pa.array(order, pa.int64()))
+    rows = rows.append_column("column", pa.array([unfit[i][0] for i in order], pa.string()))
+    return rows.append_column("reason", pa.array([unfit[i][1] for i in order], pa.string()))
 
 
 def winners(spec: TableSpec, changes: pl.DataFrame) -> pl.DataFrame:

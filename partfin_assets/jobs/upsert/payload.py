@@ -7,7 +7,7 @@ same for every table:
 |-------------------------|-------------------------------------------------------------|
 | bool                    | true / false                                                |
 | int32, int64            | integer number (int32 range-checked)                        |
-| float, double           | number                                                      |
+| float, double           | number, or "NaN" / "Infinity" / "-Infinity"                 |
 | string                  | string                                                      |
 | binary                  | base64 string                                               |
 | date32[day]             | "YYYY-MM-DD"                                                |
@@ -15,6 +15,7 @@ same for every table:
 | timestamp[us, tz=UTC]   | ISO-8601 string with an offset or Z ("2024-05-01T12:00:00Z") |
 | timestamp[us]           | ISO-8601 string without an offset                           |
 | decimal128(p, s)        | decimal string ("12.30"); more than s fraction digits is rejected |
+| struct<...>             | object of its fields, each in its own type's form (geometry: {"wkb": base64, "srid": n}) |
 
 Every declared column must be present in an after-image (JSON null is a value; a
 missing key is not), primary-key columns must not be null, and no lenient
@@ -22,8 +23,9 @@ coercion happens (a number for a string column, "5" for an int column, 1.5 for
 an int column are all rejected). Fields not declared are ignored.
 
 Parsing is vectorized (Arrow's JSON reader with an explicit schema, then Arrow /
-polars casts). Only when a batch fails is it bisected, with the same vectorized
-decoder, down to the first offending record, so the error names its key and column.
+polars casts). Only when a batch fails is it split, with the same vectorized decoder,
+down to the records that do not fit, so each is named with its column and reason and the
+others decode.
 """
 
 from __future__ import annotations
@@ -31,23 +33,24 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
+# how JsonConverter and partfin's sources write the floats JSON has no number for
+_NON_FINITE = re.compile(r'"(?:NaN|-?Infinity)"')
 
-class UpsertPayloadError(ValueError):
-    """A CDC change that does not fit the declared columns of its table."""
 
-    def __init__(self, table: str, key: str | None, column: str | None, reason: str) -> None:
-        self.table = table
-        self.key = key
-        self.column = column
-        self.reason = reason
-        where = f"column {column!r}" if column else "payload"
-        super().__init__(f"table {table!r}, key {key}: {where}: {reason}")
+@dataclass(frozen=True)
+class Unfit:
+    """A record whose JSON does not fit the declared columns."""
+
+    index: int  # position in the texts given
+    column: str | None  # None: the record as a whole (not an object, empty...)
+    reason: str
 
 
 class _Unfit(Exception):
@@ -65,6 +68,8 @@ def carrier_type(data_type: pa.DataType) -> pa.DataType:
         return pa.int64()
     if pa.types.is_floating(data_type):
         return pa.float64()
+    if pa.types.is_struct(data_type):
+        return pa.struct([pa.field(f.name, carrier_type(f.type)) for f in data_type])
     if (
         pa.types.is_binary(data_type)
         or pa.types.is_date(data_type)
@@ -81,6 +86,9 @@ def _convert(name: str, values: pa.Array, target: pa.DataType) -> pa.Array:
     if values.type == target:
         return values
     try:
+        if pa.types.is_struct(target):
+            children = [_convert(f"{name}.{f.name}", values.field(f.name), f.type) for f in target]
+            return pa.StructArray.from_arrays(children, fields=list(target), mask=values.is_null())
         if pa.types.is_time(target):
             series = pl.Series(name, values).str.to_time("%H:%M:%S%.f", strict=True)
             return series.to_arrow().cast(target)
@@ -88,8 +96,22 @@ def _convert(name: str, values: pa.Array, target: pa.DataType) -> pa.Array:
             series = pl.Series(name, values).str.decode("base64", strict=True)
             return series.to_arrow().cast(target)
         return pc.cast(values, target, safe=True)
+    except _Unfit:
+        raise
     except (pa.ArrowException, pl.exceptions.PolarsError, ValueError) as exc:
         raise _Unfit(name, f"value does not fit {target}: {str(exc).splitlines()[0]}") from exc
+
+
+def _floats_by_path(name: str, lines: pl.Series) -> pa.Array:
+    """A float column read with its NaN / ±Infinity strings (the JSON reader takes numbers only)."""
+    key = '"' + re.escape(name) + r'"\s*:\s*"'
+    strings, non_finite = lines.str.count_matches(key), lines.str.count_matches(key + r'(?:NaN|-?Infinity)"')
+    if (strings != non_finite).any():
+        raise _Unfit(name, "value does not fit double: a string other than NaN / Infinity / -Infinity")
+    try:
+        return lines.str.json_path_match(f"$['{name}']").cast(pl.Float64, strict=True).to_arrow()
+    except pl.exceptions.PolarsError as exc:
+        raise _Unfit(name, f"value does not fit double: {str(exc).splitlines()[0]}") from exc
 
 
 def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> pa.Table:
@@ -105,8 +127,9 @@ def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Seque
     lines = series.str.replace_all(r"[\r\n]", " ")
     if (lines.str.strip_chars() == "").any():
         raise _Unfit(None, "payload is empty")
+    by_path = [c for c, t in columns.items() if pa.types.is_floating(t)] if lines.str.contains(_NON_FINITE.pattern).any() else []
     buffer = lines.str.join("\n").item().encode()
-    schema = pa.schema([pa.field(c, carrier_type(t)) for c, t in columns.items()])
+    schema = pa.schema([pa.field(c, carrier_type(t)) for c, t in columns.items() if c not in by_path])
     try:
         decoded = pj.read_json(
             io.BytesIO(buffer),
@@ -119,7 +142,7 @@ def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Seque
         raise _Unfit(None, "not exactly one JSON object")
     out = {}
     for name in names:
-        values = decoded.column(name).combine_chunks()
+        values = _floats_by_path(name, lines) if name in by_path else decoded.column(name).combine_chunks()
         out[name] = _convert(name, values, columns[name])
         nulls = values.is_null()
         if values.null_count:
@@ -134,21 +157,24 @@ def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Seque
 
 
 def decode_columns(
-    table: str,
-    keys: pa.Array,
-    texts: pa.Array,
+    texts: pa.Array | pa.ChunkedArray,
     columns: Mapping[str, pa.DataType],
     required: Sequence[str] = (),
-) -> pa.Table:
-    """Typed columns from JSON texts (one per change); UpsertPayloadError names the first bad change."""
-    keys = _plain(keys)
+) -> tuple[pa.Table, list[Unfit]]:
+    """Typed columns of the JSON texts (one per change) that fit, and an `Unfit` for each that does not.
+
+    The table holds the fitting records in their order; an `Unfit`'s index is into `texts`.
+    """
     texts = _plain(texts)
     try:
-        return _decode(texts, columns, required)
+        return _decode(texts, columns, required), []
     except _Unfit:
         pass
-    index, column, reason = _locate(texts, columns, required)
-    raise UpsertPayloadError(table, keys[index].as_py(), column, reason)
+    unfit: list[Unfit] = []
+    _find_unfit(texts, 0, len(texts), columns, required, unfit)
+    bad = {u.index for u in unfit}
+    fitting = pa.array([i not in bad for i in range(len(texts))])
+    return _decode(texts.filter(fitting), columns, required), unfit
 
 
 def _plain(values: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -157,31 +183,35 @@ def _plain(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     return values.cast(pa.string())
 
 
-def _locate(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> tuple[int, str | None, str]:
-    """Bisect a failing batch down to its first failing record (error path only)."""
-    lo, hi = 0, len(texts)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+def _find_unfit(
+    texts: pa.Array, lo: int, hi: int, columns: Mapping[str, pa.DataType], required: Sequence[str], unfit: list[Unfit]
+) -> None:
+    """Split the failing records [lo, hi) in halves down to the ones that do not fit (error path only)."""
+    if hi - lo == 1:
+        column, reason = _locate(texts.slice(lo, 1), columns, required)
+        unfit.append(Unfit(lo, column, reason))
+        return
+    mid = (lo + hi) // 2
+    for start, end in ((lo, mid), (mid, hi)):
         try:
-            _decode(texts.slice(lo, mid - lo), columns, required)
+            _decode(texts.slice(start, end - start), columns, required)
         except _Unfit:
-            hi = mid
-        else:
-            lo = mid
-    record = texts.slice(lo, 1)
+            _find_unfit(texts, start, end, columns, required, unfit)
+
+
+def _locate(record: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> tuple[str | None, str]:
+    """The column (if one) and reason a single record does not fit."""
     try:
         _decode(record, {}, ())
     except _Unfit as exc:
-        return lo, None, exc.reason
-    # Which column: decode the record one declared column at a time.
-    first_reason = "does not decode"
-    for name, data_type in columns.items():
+        return None, exc.reason
+    for name, data_type in columns.items():  # one declared column at a time
         try:
             _decode(record, {name: data_type}, [c for c in required if c == name])
         except _Unfit as exc:
-            return lo, name, exc.reason
+            return name, exc.reason
     try:
         _decode(record, columns, required)
     except _Unfit as exc:
-        first_reason = exc.reason
-    return lo, None, first_reason
+        return exc.column, exc.reason
+    return None, "does not decode"

@@ -19,6 +19,7 @@ from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
 from partfin_assets.jobs.upsert.decode import decode_changes, winners
 from partfin_assets.jobs.upsert.merge import merge_changes
 from partfin_assets.jobs.upsert.plan import merged_source_snapshot_id, plan_upsert
+from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
@@ -46,6 +47,7 @@ class UpsertResult:
     files_added: int = 0
     previous_cdc_snapshot_id: int | None = None
     attempts: int = 1  # commit attempts (a commit that landed meanwhile in other buckets costs one)
+    quarantined: int = 0  # changes that do not fit the declaration: in base.<table>__rejected, not merged
 
     @property
     def changed(self) -> bool:
@@ -73,7 +75,8 @@ class UpsertResult:
         lines = [
             f"base.{self.table}: merged {len(ids)} CDC snapshot(s) of cdc.{self.table} [{shown}], {mode}",
             f"  merged up to CDC snapshot: {self.cdc_snapshot_id} (previous: {self.previous_cdc_snapshot_id or '-'})",
-            f"  changes read: {self.changes_read} (stale, ignored: {self.stale})",
+            f"  changes read: {self.changes_read} (stale, ignored: {self.stale}; quarantined in "
+            f"base.{self.table}__rejected: {self.quarantined})",
             f"  rows: {self.inserted} inserted, {self.updated} updated, {self.deleted} deleted",
             f"  base snapshot: {self.base_snapshot_id} "
             f"({self.buckets_rewritten} bucket(s) rewritten: {self.files_removed} file(s) out, {self.files_added} in)",
@@ -108,12 +111,13 @@ def run_upsert(
                 inserted=0, updated=0, deleted=0, watermark=job.table.properties.get(K.PROP_WATERMARK), hours_touched=[],
                 previous_cdc_snapshot_id=source_id,
             )
-        changes = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
+        changes, unfit = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
+        quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)
         merge = merge_changes(plan, winners(spec, changes))
         _crash("after-read", crash_hook)
         new_files = job.write(merge.rows) if merge.rows is not None else []
         _crash("after-files", crash_hook)
-        committed = commit_merge(job, plan, merge, new_files)
+        committed = commit_merge(job, plan, merge, new_files, quarantined=unfit.num_rows)
     _crash("after-commit", crash_hook)
     sync_merged_tag(catalog, name)
     return UpsertResult(
@@ -126,7 +130,8 @@ def run_upsert(
         deleted=merge.deleted,
         watermark=plan.watermark,
         hours_touched=merge.hours,
-        changes_read=changes.height,
+        changes_read=changes.height + unfit.num_rows,
+        quarantined=unfit.num_rows,
         stale=merge.stale,
         full_remerge=plan.full,
         buckets_rewritten=merge.buckets_rewritten,
