@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, status."""
+"""The `partfin` command: ingest, upsert, status, streams."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.live import Live
 
-from partfin_assets.finalization.status import all_table_status
-from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.iceberg.commit import new_transaction
+from partfin_assets.finalization.status import all_table_status, stream_status
+from partfin_assets.iceberg.catalog import load_existing_table, load_partfin_catalog
+from partfin_assets.iceberg.commit import set_table_properties
+from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
+from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
 
@@ -45,10 +47,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = commands.add_parser("status", help="watermark and progress of every cdc/base table")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
+    streams = commands.add_parser("streams", help="the progress streams that hold the watermark of cdc.<table>")
+    stream_actions = streams.add_subparsers(dest="action", required=True)
+    listing = stream_actions.add_parser("list", help="every stream: state (active, idle, retired), progress, last checkpoint")
+    listing.add_argument("--table", required=True)
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    retire = stream_actions.add_parser("retire", help="stop counting a stream (a writer that is done for good) in the watermark")
+    retire.add_argument("--table", required=True)
+    retire.add_argument("--stream", required=True, help="the stream id: a writer id (retires its partition streams too)")
+    idle = stream_actions.add_parser("idle-timeout", help="show or set how long a silent stream holds the watermark")
+    idle.add_argument("--table", required=True)
+    idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status}[args.command](args)
+        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams}[args.command](args)
     except (PartfinError, ValueError) as exc:
         print(f"partfin: error: {exc}", file=sys.stderr)
         return 2
@@ -88,9 +102,8 @@ def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
     columns = discover() if discover is not None else None
     if spec.columns or not columns:
         return
-    table = catalog.load_table(spec.cdc_identifier)
-    with new_transaction(table) as tx:
-        tx.set_properties({PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[PROP_COLUMNS]})
+    declared = {PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[PROP_COLUMNS]}
+    set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
 
 
 class _Progress:
@@ -111,8 +124,7 @@ class _Progress:
         self.late += int(result.summary.get(K.LATE_RECORDS, 0))
         watermark = result.summary.get(K.WATERMARK, "-")
         line = (
-            f"{self.table}: checkpoint {result.checkpoint_id}{' (already committed)' if result.duplicate else ''}"
-            f"  records {self.records:,}  late {self.late:,}  rejected {self.rejected:,}  watermark {watermark}"
+            f"{self.table}: checkpoint {result.checkpoint_id}  records {self.records:,}  late {self.late:,}  rejected {self.rejected:,}  watermark {watermark}"
         )
         if self.live is not None:
             self.live.update(line)
@@ -153,6 +165,31 @@ def _status(args: argparse.Namespace) -> int:
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
+    return 0
+
+
+def _streams(args: argparse.Namespace) -> int:
+    catalog = load_partfin_catalog()
+    identifier = f"cdc.{args.table}"
+    if args.action == "retire":
+        stream = retire_stream(catalog, identifier, args.stream)
+        print(f"{identifier}: stream {stream.stream_id!r} retired; the watermark no longer waits for it "
+              "(from the next checkpoint of any writer); a writer that starts under this id registers it again")
+        return 0
+    if args.action == "idle-timeout":
+        if args.timeout is not None:
+            set_idle_timeout(catalog, identifier, parse_duration(args.timeout))
+        timeout = idle_timeout_us(load_existing_table(catalog, identifier).properties) / US_PER_SECOND
+        print(f"{identifier}: a stream that commits nothing for {timeout:g}s stops holding the watermark")
+        return 0
+    rows = stream_status(load_existing_table(catalog, identifier))
+    if args.json:
+        print(json.dumps({"table": identifier, "streams": rows}, indent=2))
+        return 0
+    print(f"{'stream':<28} {'state':<8} {'progress':<22} {'last checkpoint at':<28} {'checkpoint':>10}")
+    for row in rows:
+        print(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
+              f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
     return 0
 
 

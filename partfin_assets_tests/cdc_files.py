@@ -83,10 +83,13 @@ def write_lines(path: Path, lines: Iterable[str], *, append: bool = False) -> No
 
 
 def event_hours_of_file(path: Path) -> Counter:
-    """Changes per event-time hour (epoch hour number) in a Debezium file."""
+    """Changes per event-time hour (epoch hour number) in a Debezium file (lines that are not JSON skipped)."""
     counts: Counter = Counter()
     for line in path.read_text().splitlines():
-        document = json.loads(line)
+        try:
+            document = json.loads(line)
+        except json.JSONDecodeError:
+            continue
         envelope = document["payload"] if "schema" in document else document
         counts[envelope["source"]["ts_ms"] // HOUR_MS] += 1
     return counts

@@ -14,7 +14,8 @@ import pytest
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import last_writer_position
 from partfin_assets.ingest.extensions import Accumulator, CommitProcessor
-from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.iceberg.streams import CommittedPosition, retire_stream
+from partfin_assets.ingest.writer import CdcWriter, WriterFenced
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
@@ -106,17 +107,23 @@ def test_custom_accumulators_and_processors_join_the_same_commit(catalog):
     assert K.EVENT_TIME_COUNT not in result.summary and K.WATERMARK not in result.summary
 
 
-def test_a_checkpoint_that_already_landed_is_not_committed_twice(catalog, tmp_path):
+def test_a_twin_that_lost_the_position_cannot_commit_and_goes_on_from_the_winners(catalog, tmp_path):
     first = CdcWriter(catalog, ORDERS, writer_id="w")
     twin = CdcWriter(catalog, ORDERS, writer_id="w")  # e.g. a restart that read the position too early
     first.write_checkpoint(change_batch(minutes(0, 100), offset="o1"))
     files_before = data_files_on_disk(tmp_path / "home")
-    result = twin.write_checkpoint(change_batch(minutes(0, 100), offset="o1"))
-    assert result.duplicate and result.snapshot_id is None
+    # the twin's batch started at the position before the first writer's commit: refused in the commit
+    with pytest.raises(WriterFenced, match="another process committed checkpoint 1 as writer 'w'") as fenced:
+        twin.write_checkpoint(change_batch(minutes(0, 150), offset="o1.5"))
+    assert fenced.value.position == CommittedPosition(1, "o1") and twin.position == CommittedPosition(1, "o1")
     table = catalog.load_table("cdc.orders")
     assert table.scan().to_arrow().num_rows == 100
     assert data_files_on_disk(tmp_path / "home") == files_before  # the twin's files were removed
     assert twin.write_checkpoint(change_batch(minutes(100, 10), offset="o2")).checkpoint_id == 2
+    # and now the first writer is the stale one
+    with pytest.raises(WriterFenced):
+        first.write_checkpoint(change_batch(minutes(100, 10), offset="o2"))
+    assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == 110
 
 
 class Explodes(CommitProcessor):
@@ -159,6 +166,7 @@ def test_retention_bounds_history_but_keeps_policy_window_and_resume_position(ca
     writer = CdcWriter(catalog, ORDERS, retention=Retention(keep_last=4, slack=4))
     other = CdcWriter(catalog, ORDERS, writer_id="quiet-writer", retention=Retention(keep_last=4, slack=4))
     other.write_checkpoint(change_batch(minutes(0, 10), offset="quiet-1"))
+    retire_stream(catalog, "cdc.orders", "quiet-writer")  # done: its minute-0 data must not hold the watermark
     for i in range(60):
         writer.write_checkpoint(change_batch(minutes(i * 30, 20), offset=f"o{i}", seq_start=i * 20))
     table = catalog.load_table("cdc.orders")
@@ -187,13 +195,19 @@ def test_rejected_records_land_once_with_their_reason(catalog):
     batch = ChangeBatch(change_batch(minutes(0, 5), offset="o1").records, offset="o1", rejected=rejected)
     result = CdcWriter(catalog, ORDERS, writer_id="w").write_checkpoint(batch)
     assert result.summary[K.REJECTED_RECORDS] == "2"
-    # a restarted twin re-reads the same lines: neither records nor rejects are written again
+    # a twin that read the position before that commit re-reads the same lines: its rejects are
+    # found there already (by source position), its records are refused in the commit
     twin = CdcWriter(catalog, ORDERS, writer_id="w")
-    twin.last_checkpoint_id = 0
-    assert twin.write_checkpoint(batch).duplicate
+    twin.last_checkpoint_id, twin.resume_offset = 0, None
+    with pytest.raises(WriterFenced):
+        twin.write_checkpoint(batch)
+    # cut differently (one more reject), the next batch commits only what is new
+    more = pa.concat_tables([rejected, pa.table({"source_seq": [11], "raw": ["{"], "reason": ["line 11: invalid JSON"]},
+                                                schema=REJECTED_RECORD_SCHEMA)])
+    twin.write_checkpoint(ChangeBatch(change_batch(minutes(5, 5), offset="o2").records, offset="o2", rejected=more))
     stored = catalog.load_table("cdc.orders__rejected").scan().to_arrow()
-    assert sorted(stored.column("reason").to_pylist()) == ["line 7: invalid JSON", "line 9: unknown op 'x'"]
-    assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == 5
+    assert sorted(stored.column("reason").to_pylist()) == ["line 11: invalid JSON", "line 7: invalid JSON", "line 9: unknown op 'x'"]
+    assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == 10
 
 
 def test_bad_batch_schema_is_refused_with_a_clear_error(catalog):

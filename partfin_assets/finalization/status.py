@@ -9,8 +9,9 @@ from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
 from partfin_assets.iceberg.history import late_records_total, lineage, summary_of, total_records
+from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import HOUR, iso_z, parse_iso
+from partfin_assets.model.timeutil import HOUR, iso_z, now_utc, parse_iso, to_us
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class TableStatus:
     # upsert could not decode (base.<t>__rejected, the quarantine)
     rejected: int = 0
     quarantined: int = 0
+    streams: list[dict] | None = None  # cdc tables: the progress streams (stream_status)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +58,31 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         source_snapshot_id=int(source_snapshot) if source_snapshot else None,
         rejected=total_records(rejected) if rejected is not None and identifier.startswith("cdc.") else 0,
         quarantined=total_records(rejected) if rejected is not None and identifier.startswith("base.") else 0,
+        streams=stream_status(table) if identifier.startswith("cdc.") else None,
     )
+
+
+def stream_status(table: Table, now_us: int | None = None) -> list[dict]:
+    """The progress streams of a cdc table, as `partfin streams list` shows them.
+
+    state: `active` (holds the watermark), `idle` (committed nothing within the idle timeout of
+    now; it holds the watermark again from its next checkpoint) or `retired`.
+    """
+    now_us = to_us(now_utc()) if now_us is None else now_us
+    timeout = idle_timeout_us(table.properties)
+    rows = []
+    for stream_id, stream in sorted(streams_of(table.properties).items()):
+        state = "retired" if stream.retired else "idle" if stream.idle(now_us, timeout) else "active"
+        position = writer_position(table.metadata, stream.writer_id) if stream_id == stream.writer_id else None
+        rows.append({
+            "stream": stream_id,
+            "writer": stream.writer_id,
+            "state": state,
+            "progress": iso_z(stream.progress_us) if stream.progress_us is not None else None,
+            "seen": iso_z(stream.seen_us),
+            "checkpoint": position.checkpoint_id if position is not None else None,
+        })
+    return rows
 
 
 def all_table_status(catalog: Catalog) -> list[TableStatus]:

@@ -84,6 +84,19 @@ def ensure_namespaces(catalog: Catalog, *namespaces: str) -> None:
             catalog.create_namespace(namespace)
         except NamespaceAlreadyExistsError:
             pass
+        except Exception:
+            # Two processes creating it at once: PyIceberg's SqlCatalog checks, then inserts, and the
+            # loser sees the database's unique-key violation instead of NamespaceAlreadyExistsError.
+            if not _namespace_exists(catalog, namespace):
+                raise
+
+
+def _namespace_exists(catalog: Catalog, namespace: str) -> bool:
+    try:
+        catalog.load_namespace_properties(namespace)
+        return True
+    except NoSuchNamespaceError:
+        return False
 
 
 def load_existing_table(catalog: Catalog, identifier: str, hint: str = "") -> Table:

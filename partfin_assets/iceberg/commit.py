@@ -135,6 +135,17 @@ def commit_with_retry(
     raise CommitRetriesExhausted(f"{identifier}: gave up after {max_attempts} concurrent-commit retries (commit {commit_id})")
 
 
+def set_table_properties(catalog: Catalog, identifier: str, properties: dict[str, str]) -> Table:
+    """A property-only commit, retried like any other (the catalog applies it to the then current metadata)."""
+
+    def build(table: Table, commit_id: str) -> Transaction:
+        tx = new_transaction(table)
+        tx.set_properties(properties)
+        return tx
+
+    return commit_with_retry(catalog, identifier, build).table
+
+
 def ensure_managed_properties(catalog: Catalog, identifier: str) -> Table:
     """Re-assert partfin's table properties (a table created elsewhere, or an older partfin)."""
     table = catalog.load_table(identifier)

@@ -2,10 +2,10 @@
 
 Commit cost in PyIceberg grows with the snapshots kept in table metadata, so a
 streaming writer expires old snapshots as it goes. Never expired: the newest
-`keep_last` snapshots of main, the last `lookback` stats-bearing commits (the
-policy's window), the newest checkpoint of every writer (its resume position),
-and anything a branch or tag points at (the upsert tags the CDC snapshot it
-merged).
+`keep_last` snapshots of main, each writer's last `lookback` stats-bearing commits
+(its stream's policy window), the newest checkpoint of every writer (its resume
+position on tables older than the `partfin.writer.*` properties), and anything a
+branch or tag points at (the upsert tags the CDC snapshot it merged).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
 
+from partfin_assets.iceberg.commit import new_transaction
 from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.model import summary_keys as K
@@ -37,16 +39,16 @@ class Retention:
 
 def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, lookback: int) -> set[int]:
     keep: set[int] = {ref.snapshot_id for ref in metadata.refs.values()}
-    stats_seen = 0
+    stats_seen: dict[str | None, int] = {}  # per writer: its stream's policy window
     writers_seen: set[str] = set()
     for position, snapshot in enumerate(lineage(metadata)):
         summary = summary_of(snapshot)
         if position < keep_last:
             keep.add(snapshot.snapshot_id)
-        if stats_seen < lookback and commit_stats(summary) is not None:
-            stats_seen += 1
-            keep.add(snapshot.snapshot_id)
         writer = summary.get(K.WRITER_ID)
+        if stats_seen.get(writer, 0) < lookback and commit_stats(summary) is not None:
+            stats_seen[writer] = stats_seen.get(writer, 0) + 1
+            keep.add(snapshot.snapshot_id)
         if writer is not None and writer not in writers_seen:
             writers_seen.add(writer)
             keep.add(snapshot.snapshot_id)
@@ -65,11 +67,14 @@ def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0
+    # The catalog applies the removal to whatever metadata is current when it commits: a
+    # concurrent expiry may have removed some of these snapshots already (PyIceberg then fails
+    # the whole update), and a tag moved meanwhile (the upsert's) would be dropped with its
+    # snapshot. So the removal is a compare-and-set on every ref as this view saw it; a lost
+    # race just leaves expiry to the next checkpoint.
+    unchanged = tuple(AssertRefSnapshotId(ref=name, snapshot_id=ref.snapshot_id) for name, ref in table.metadata.refs.items())
     try:
-        # Removing old snapshot ids commutes with any concurrent commit (those only add newer
-        # snapshots), so this metadata-only commit needs no retry loop: a lost race just
-        # leaves expiry to the next checkpoint.
-        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
+        new_transaction(table)._apply((RemoveSnapshotsUpdate(snapshot_ids=[s.snapshot_id for s in expired]),), unchanged).commit_transaction()
     except CommitFailedException:
         log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
         return 0

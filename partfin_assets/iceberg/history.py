@@ -44,13 +44,18 @@ def summary_of(snapshot: Snapshot) -> dict[str, str]:
     return snapshot.summary.additional_properties if snapshot.summary else {}
 
 
-def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False) -> list[CommitStats]:
-    """The last `limit` stats-bearing commits of the main branch, newest first."""
+def recent_commit_stats(
+    metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None
+) -> list[CommitStats]:
+    """The last `limit` stats-bearing commits of the main branch (of one writer, if given), newest first."""
     found: list[CommitStats] = []
     if limit <= 0:
         return found
     for snapshot in lineage(metadata):
-        entry = commit_stats(summary_of(snapshot), snapshot.snapshot_id, with_digest=with_digest)
+        summary = summary_of(snapshot)
+        if writer_id is not None and summary.get(K.WRITER_ID) != writer_id:
+            continue
+        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest)
         if entry is not None:
             found.append(entry)
             if len(found) == limit:
@@ -95,8 +100,15 @@ def writer_positions(metadata: TableMetadata) -> list[WriterPosition]:
     return list(found.values())
 
 
-def recorded_source(metadata: TableMetadata) -> SourceIdentity | None:
-    """The table's current source: the identity its newest checkpoint recorded (None: none recorded yet)."""
+def recorded_source(metadata: TableMetadata, writer_id: str | None = None) -> SourceIdentity | None:
+    """The table's current source: the identity its newest checkpoint recorded (None: none recorded yet).
+
+    With `writer_id`: the one that writer's newest checkpoint recorded. Each writer id of a table is a
+    progress stream of its own (iceberg/streams.py) with its own source and positions in it.
+    """
+    if writer_id is not None:
+        position = last_writer_position(metadata, writer_id)
+        return position.source if position is not None else None
     for position in writer_positions(metadata):
         if position.source is not None:
             return position.source

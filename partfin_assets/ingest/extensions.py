@@ -49,8 +49,13 @@ class CommitContext:
     checkpoint_id: int
     heartbeat_us: int | None
     accumulated: dict[str, Any]
+    writer_id: str
+    clock_us: int  # the commit attempt's clock (the writer's wall clock): what "now" means for this commit
     summary: dict[str, str] = field(default_factory=dict)  # add snapshot-summary entries here
     properties: dict[str, str] = field(default_factory=dict)  # add table-property updates here
+    # the writer's progress stream (iceberg/streams.py): its watermark candidate after this commit;
+    # comes in as the stream's current one, the watermark processor sets it
+    stream_progress_us: int | None = None
 
 
 class CommitProcessor:

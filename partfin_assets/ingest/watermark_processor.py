@@ -11,6 +11,7 @@ import numpy as np
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.history import late_records_total, recent_commit_stats, watermark_of
+from partfin_assets.iceberg.streams import active_streams, progress_floor
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy, advance
@@ -44,8 +45,26 @@ def late_records_by_hour(sorted_event_time_us: np.ndarray, watermark_us: int) ->
     return {iso_z(floor_hour_us(late[start])): end - start for start, end in zip(bounds, bounds[1:])}
 
 
+def table_candidate(ctx: CommitContext) -> int | None:
+    """The minimum progress over the table's active streams, this commit's own stream included.
+
+    None (the watermark stays) while an active stream claims no progress yet: a writer that
+    registered but has not committed stats holds the watermark, whatever the others did.
+    """
+    others = active_streams(ctx.table.metadata.properties, ctx.clock_us)
+    others.pop(ctx.writer_id, None)
+    if ctx.stream_progress_us is None or not others:
+        return ctx.stream_progress_us
+    floor = progress_floor(others)
+    return None if floor is None else min(ctx.stream_progress_us, floor)
+
+
 class WatermarkProcessor(CommitProcessor):
     """Advances partfin.watermark in the same commit as the data; counts and alerts on late records.
+
+    The policy runs over the committing writer's own last X commits (its stream's candidate);
+    the table's candidate is the minimum over its active streams (iceberg/streams.py), so one
+    writer never moves the watermark past data another has not committed yet.
 
     Runs on every commit attempt against that attempt's fresh metadata, so the update is a
     compare-and-set: a concurrent writer's newer watermark is seen and never overwritten.
@@ -67,13 +86,12 @@ class WatermarkProcessor(CommitProcessor):
             this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats)]
         elif ctx.heartbeat_us is not None:
             this_commit = [CommitStats(None, ctx.heartbeat_us, event_times.stats)]
-        candidate = None
-        if this_commit:  # a commit without stats leaves the watermark where it is
+        if this_commit:  # a commit without stats leaves its stream's progress where it is
             window = this_commit + recent_commit_stats(
-                metadata, policy.lookback - 1, with_digest=policy.quantile is not None
+                metadata, policy.lookback - 1, with_digest=policy.quantile is not None, writer_id=ctx.writer_id
             )
-            candidate = policy.candidate_us(window)
-        watermark = advance(previous, candidate)
+            ctx.stream_progress_us = policy.candidate_us(window)
+        watermark = advance(previous, table_candidate(ctx))
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
         late_count = sum(late.values())

@@ -4,51 +4,78 @@ A checkpoint is one Iceberg commit on cdc.<table> that holds the data files of
 every subtask, the merged accumulator results and processor entries in the
 snapshot summary, and any table-property updates: one new metadata file, all or
 nothing. The snapshot also records writer id, checkpoint id and source offset,
-so a restarted writer resumes exactly after what was committed and a checkpoint
-that already landed is never committed twice.
+so a restarted writer resumes exactly after what was committed.
+
+Fencing: the same commit moves the writer's position (`partfin.writer.<id>`) from the one
+its batch started at to the one after it, and only if the fresh metadata still holds the
+start (compare-and-set, checked on every attempt). So whatever runs at once under one writer
+id -- a CLI run beside the scheduled sync, a restarted twin -- each source position is
+committed once: a writer that lost the race cannot commit its batch; it deletes its files and
+goes on from the position the winner committed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
+from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual, LessThanOrEqual
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files, write_data_files
-from partfin_assets.iceberg.history import last_writer_position, lineage, recorded_source, summary_of
+from partfin_assets.iceberg.history import lineage, recorded_source, summary_of
+from partfin_assets.iceberg.streams import CommittedPosition, Stream, register_stream, stream_property, streams_of, writer_position
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import EventTimeStats
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
+from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
 from partfin_assets.testing.faults import crash_point
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CheckpointResult:
     checkpoint_id: int
-    snapshot_id: int | None  # None: nothing committed (empty, or already committed before)
+    snapshot_id: int | None  # None: nothing committed (an empty batch)
     records: int
     rejected: int
     summary: dict[str, str]
-    duplicate: bool = False
+
+
+class WriterFenced(PartfinError):
+    """Another process committed under this writer id since this one read its position: this batch is void.
+
+    The writer has deleted the batch's files and taken the committed position; it must read the
+    source again from `position.source_offset` (CdcWriter.run does).
+    """
+
+    def __init__(self, table: str, writer_id: str, expected: CommittedPosition, position: CommittedPosition) -> None:
+        self.position = position
+        super().__init__(
+            f"{table}: another process committed checkpoint {position.checkpoint_id} as writer {writer_id!r} "
+            f"(this one expected {expected.checkpoint_id}); its batch is void, going on from offset {position.source_offset}"
+        )
 
 
 class CdcWriter:
@@ -65,6 +92,7 @@ class CdcWriter:
         processors: Sequence[CommitProcessor] | None = None,
         retention: Retention | None = None,
         heartbeat_interval_s: float = 60.0,
+        clock: Callable[[], datetime] = now_utc,
     ) -> None:
         if subtasks < 1:
             raise ValueError(f"subtasks must be at least 1, got {subtasks}")
@@ -81,10 +109,11 @@ class CdcWriter:
             if missing:
                 raise ValueError(f"{type(processor).__name__} needs accumulator(s) {missing}; register them with the writer")
         self.heartbeat_interval_us = int(heartbeat_interval_s * 1_000_000)
-        self.table = ensure_cdc_tables(catalog, spec)
-        position = last_writer_position(self.table.metadata, self.writer_id)
-        self.last_checkpoint_id = position.checkpoint_id if position else 0
-        self.resume_offset = position.source_offset if position else None
+        self.clock = clock
+        ensure_cdc_tables(catalog, spec)
+        # the writer's progress stream holds the watermark from now on (iceberg/streams.py)
+        self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
+        self._take_position(writer_position(self.table.metadata, self.writer_id))
         self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
         self._last_progress_us = self._last_committed_event_time_us()
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
@@ -95,6 +124,15 @@ class CdcWriter:
         for pool in (self._pool, self._file_pool):
             if pool is not None:
                 pool.shutdown()
+
+    @property
+    def position(self) -> CommittedPosition:
+        """The committed position this writer's next batch starts from."""
+        return CommittedPosition(self.last_checkpoint_id, self.resume_offset)
+
+    def _take_position(self, position: CommittedPosition) -> None:
+        self.last_checkpoint_id = position.checkpoint_id
+        self.resume_offset = position.source_offset
 
     # ---- one checkpoint
 
@@ -127,15 +165,19 @@ class CdcWriter:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
 
         contexts: list[CommitContext] = []
-        already_committed = False
+        start = self.position
+        fenced: list[CommittedPosition] = []
+        position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, batch.offset).encode()}
 
         def build(table: Table, commit_id: str):
-            nonlocal already_committed
-            position = last_writer_position(table.metadata, self.writer_id)
-            if position is not None and position.checkpoint_id >= checkpoint_id:
-                already_committed = True  # landed before (unknown outcome, or a restarted twin)
+            committed = writer_position(table.metadata, self.writer_id)
+            if committed != start:  # compare-and-set on the committed source position
+                fenced.append(committed)
                 return None
-            ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated)
+            clock_us = to_us(self.clock())
+            stream = streams_of(table.properties).get(self.writer_id) or Stream(self.writer_id, self.writer_id, None, clock_us)
+            ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
+                                stream_progress_us=stream.progress_us)
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
@@ -144,8 +186,8 @@ class CdcWriter:
             with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
                     append.append_data_file(data_file)
-            if ctx.properties:
-                tx.set_properties(ctx.properties)
+            stream = replace(stream, progress_us=ctx.stream_progress_us, seen_us=clock_us, retired=False)
+            tx.set_properties({**ctx.properties, **position_property, **stream_property(stream)})
             return tx
 
         try:
@@ -153,14 +195,14 @@ class CdcWriter:
         except BaseException:
             delete_files(self.table.io, [f.file_path for f in data_files])
             raise
-        if already_committed:
+        if fenced:
             delete_files(self.table.io, [f.file_path for f in data_files])
-            self.last_checkpoint_id = checkpoint_id
-            return CheckpointResult(checkpoint_id, None, records.num_rows, rejected, {}, duplicate=True)
+            self.table = result.table
+            self._take_position(fenced[-1])
+            raise WriterFenced(self.spec.cdc_identifier, self.writer_id, start, fenced[-1])
         crash_point("after-commit")
         self.table = result.table
-        self.last_checkpoint_id = checkpoint_id
-        self.resume_offset = batch.offset
+        self._take_position(CommittedPosition(checkpoint_id, batch.offset))
         snapshot = result.snapshot
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
@@ -209,7 +251,12 @@ class CdcWriter:
         return {a.name: a.partial() for a in accumulators}
 
     def _commit_rejected(self, batch: ChangeBatch, checkpoint_id: int) -> int:
-        """Rejected records land in cdc.<table>__rejected, once per checkpoint even across restarts."""
+        """Rejected records land in cdc.<table>__rejected once per source position, however batches are cut.
+
+        They commit before the checkpoint (so a landed checkpoint always has its rejects); a batch that
+        then loses its commit, or a run that crashes before it, leaves them there, and whoever reads
+        those positions again finds them already in (by writer id and source_seq) and skips them.
+        """
         count = batch.rejected.num_rows
         if count == 0:
             return 0
@@ -218,13 +265,16 @@ class CdcWriter:
             "checkpoint_id", pa.array([checkpoint_id] * count, pa.int64())
         )
         rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason"])
+        first, last = pc.min_max(rows.column("source_seq")).values()
 
         def build(table: Table, commit_id: str):
-            position = last_writer_position(table.metadata, self.writer_id)
-            if position is not None and position.checkpoint_id >= checkpoint_id:
+            in_range = And(GreaterThanOrEqual("source_seq", first.as_py()), LessThanOrEqual("source_seq", last.as_py()))
+            there = table.scan(row_filter=And(EqualTo("writer_id", self.writer_id), in_range), selected_fields=("source_seq",)).to_arrow()
+            new = rows.filter(pc.invert(pc.is_in(rows.column("source_seq"), there.column("source_seq"))))
+            if new.num_rows == 0:
                 return None
             tx = new_transaction(table)
-            tx.append(rows.cast(table.schema().as_arrow()), snapshot_properties=snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
+            tx.append(new.cast(table.schema().as_arrow()), snapshot_properties=snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
             return tx
 
         commit_with_retry(self.catalog, self.spec.rejected_identifier, build)
@@ -276,7 +326,9 @@ class CdcWriter:
 
         A source with an `on_committed(offset)` method (e.g. a replication slot that may only
         move past committed changes) is told each offset once its checkpoint commit landed,
-        before the next batch is asked for. Skipped and duplicate batches are not reported.
+        before the next batch is asked for. Empty batches are not reported. When another process
+        commits under the same writer id meanwhile (WriterFenced), the source is read again from
+        the position that process committed.
 
         The source must read the history the table recorded (its identity, checked first:
         SourceMismatch names the table's current source); each checkpoint records it again.
@@ -284,21 +336,35 @@ class CdcWriter:
         identifier = self.spec.cdc_identifier
         committed = 0
         on_committed = getattr(source, "on_committed", None)
-        self.source_identity = check_source(identifier, recorded_source(self.table.metadata), source, self.resume_offset)
+        recorded = recorded_source(self.table.metadata, self.writer_id)  # each writer id reads a source of its own
+        self.source_identity = check_source(identifier, recorded, source, self.resume_offset)
         try:
-            for batch in source.batches(self.resume_offset, max_records):
-                self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
-                result = self.write_checkpoint(batch)
-                if result.snapshot_id is None and not result.duplicate:
-                    continue
-                if on_committed is not None and result.snapshot_id is not None:
-                    on_committed(batch.offset)
-                committed += 1
-                if on_checkpoint is not None:
-                    on_checkpoint(result)
-                yield result
-                if max_checkpoints is not None and committed >= max_checkpoints:
-                    return
+            while True:
+                batches = source.batches(self.resume_offset, max_records)
+                try:
+                    for batch in batches:
+                        self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
+                        try:
+                            result = self.write_checkpoint(batch)
+                        except WriterFenced as fenced:
+                            log.warning("%s", fenced)
+                            break  # read again from the position the other process committed
+                        if result.snapshot_id is None:
+                            continue
+                        if on_committed is not None:
+                            on_committed(batch.offset)
+                        committed += 1
+                        if on_checkpoint is not None:
+                            on_checkpoint(result)
+                        yield result
+                        if max_checkpoints is not None and committed >= max_checkpoints:
+                            return
+                    else:
+                        return  # the source is exhausted
+                finally:
+                    close = getattr(batches, "close", None)  # a generator: run its cleanup now, not at garbage collection
+                    if close is not None:
+                        close()
         except SourceChanged as exc:
             raise SourceChanged(
                 f"{identifier} cannot go on reading {self.source_identity.spec}: {exc}. Restore what it was reading, "

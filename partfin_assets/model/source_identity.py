@@ -115,7 +115,7 @@ def check_source(identifier: str, recorded: SourceIdentity | None, source: Ident
         assert recorded is not None
         raise SourceMismatch(
             f"{identifier} reads from {recorded.spec}; the source given, {identity.spec}, reads another history "
-            f"({why}). A table keeps the one change log it started with: give it that source again, or ingest the "
-            "new one into a new table"
+            f"({why}). A writer keeps the one change log it started with: give it that source again, or ingest the "
+            "new one into a new table or under a writer id of its own (--writer-id)"
         )
     return identity

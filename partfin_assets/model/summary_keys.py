@@ -67,6 +67,11 @@ PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fix
 # snapshot refs
 MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> merged up to (expiry keeps it)
 
+# writers and progress streams of cdc.<table> (iceberg/streams.py): one property per writer / stream
+PROP_WRITER_PREFIX = "partfin.writer."  # + writer id: JSON {"checkpoint", "offset"}, the committed position
+PROP_STREAM_PREFIX = "partfin.stream."  # + stream id: JSON {"writer", "progress", "seen", "state"}
+PROP_STREAMS_IDLE_TIMEOUT = "partfin.streams.idle-timeout"  # e.g. 15m (default): a stream silent this long stops holding the watermark
+
 
 # values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)
 class JobKind(enum.StrEnum):

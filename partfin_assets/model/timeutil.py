@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 US_PER_SECOND = 1_000_000
@@ -49,3 +50,15 @@ def parse_iso(text: str) -> datetime:
 
 def now_utc() -> datetime:
     return datetime.now(UTC)
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d*)?)(s|m|h|d)?$")
+_DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", None: "seconds"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90`, `90s`, `20m`, `6h`, `1d` (a bare number is seconds)."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
+    return timedelta(**{_DURATION_UNITS[match.group(2)]: float(match.group(1))})

@@ -10,7 +10,6 @@ defaults to `public.<--table>`; a `#` fragment names another one and options:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,21 +17,10 @@ from typing import Any
 from partfin_assets.model.records import CdcSource, ReplayableSource
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.model.timeutil import parse_iso
+from partfin_assets.model.timeutil import parse_duration, parse_iso
 from partfin_assets.sources.debezium import DebeziumFileSource, debezium_table_spec
 from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
-
-_DURATION = re.compile(r"^(\d+(?:\.\d*)?)(s|m|h|d)?$")
-_DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", None: "seconds"}
-
-
-def parse_duration(text: str) -> timedelta:
-    """`90`, `90s`, `20m`, `6h`, `1d` (a bare number is seconds)."""
-    match = _DURATION.match(text.strip())
-    if not match:
-        raise ValueError(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
-    return timedelta(**{_DURATION_UNITS[match.group(2)]: float(match.group(1))})
 
 
 def parse_bool(text: str) -> bool:
