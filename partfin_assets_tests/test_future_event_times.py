@@ -27,8 +27,6 @@ def _sensor_ticks(instance, name: str) -> list:
     return []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §4: the watermark follows future event times past the current hour; "
-                                        "the finalization tick then fails with DagsterUnknownPartitionError, for ever")
 def test_a_source_clock_ahead_of_the_host_neither_finalizes_the_future_nor_stalls(tmp_path):
     from partfin_assets.iceberg.catalog import load_partfin_catalog
     from partfin_assets.finalization.hours import hour_key
@@ -80,3 +78,90 @@ def test_a_source_clock_ahead_of_the_host_neither_finalizes_the_future_nor_stall
     assert not failed, failed[0].error.message
     valid = [hour_key(h) for h in range(first_hour_ms * 1000, watermark, 3_600_000_000)]
     assert len(valid) >= 3 and requested == valid
+
+
+def test_event_times_beyond_the_commit_clock_are_counted_and_never_drive_progress(catalog):
+    import json
+
+    from partfin_assets.iceberg.commit import set_table_properties
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.timeutil import from_us, iso_z
+    from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+
+    now = [T0_US + 10 * HOUR_US + 30 * MINUTE_US]  # the writer's commit clock: 10:30
+    writer = CdcWriter(catalog, ORDERS, clock=lambda: from_us(now[0]))
+
+    def minutes(start: int, count: int) -> list[int]:
+        return [T0_US + (start + i) * MINUTE_US for i in range(count)]
+
+    # 08:00-09:59 plus 3 records from 13:00 (a clock 2.5 h ahead): those are suspect
+    result = writer.write_checkpoint(change_batch(minutes(480, 120) + minutes(780, 3), offset="o1"))
+    suspect = json.loads(result.summary[K.SUSPECT_FUTURE])
+    assert suspect["records"] == 3 and suspect["by-hour"] == {iso_z(T0_US + 13 * HOUR_US): 3}
+    assert suspect["clock"] == iso_z(now[0]) and suspect["tolerance-s"] == 300
+    assert result.summary[K.WATERMARK] == iso_z(T0_US + 8 * HOUR_US)
+    # every record from the future: the commit claims nothing, the watermark stays
+    for i in range(3):
+        result = writer.write_checkpoint(change_batch(minutes(800 + 60 * i, 60), offset=f"f{i}"))
+        assert json.loads(result.summary[K.SUSPECT_FUTURE])["records"] == 60
+        assert result.summary[K.WATERMARK] == iso_z(T0_US + 8 * HOUR_US)
+    # 10:00-10:34 is within the 5-minute tolerance: plausible, and still the watermark stops at 10:00,
+    # floor_hour of the commit clock, not at 11:00 or beyond
+    for i in range(3):
+        result = writer.write_checkpoint(change_batch(minutes(600 + 5 * i, 25), offset=f"p{i}"))
+        assert K.SUSPECT_FUTURE not in result.summary
+    now[0] += 2 * HOUR_US  # 12:30
+    result = writer.write_checkpoint(change_batch(minutes(700, 10), offset="p3"))  # 11:40-11:49
+    assert result.summary[K.WATERMARK] == iso_z(T0_US + 10 * HOUR_US)
+    # a heartbeat from the future claims nothing either
+    beat = writer.write_checkpoint(change_batch([], offset="hb", heartbeat=from_us(now[0] + 8 * HOUR_US)))
+    assert json.loads(beat.summary[K.SUSPECT_FUTURE])["heartbeat"] == iso_z(now[0] + 8 * HOUR_US)
+    assert beat.summary[K.WATERMARK] == iso_z(T0_US + 10 * HOUR_US)
+    # a table that knows its source runs 3 h ahead raises the tolerance: no longer suspect, and
+    # still never past floor_hour(commit clock)
+    set_table_properties(catalog, "cdc.orders", {K.PROP_FUTURE_TOLERANCE: "4h"})
+    for i in range(3):
+        result = writer.write_checkpoint(change_batch(minutes(900 + 10 * i, 5), offset=f"q{i}"))  # 15:00
+        assert K.SUSPECT_FUTURE not in result.summary
+    assert result.summary[K.WATERMARK] == iso_z(T0_US + 12 * HOUR_US)
+
+
+def test_the_finalization_sensor_requests_only_partitions_that_exist(tmp_path, monkeypatch):
+    from dagster import DagsterInstance, build_sensor_context
+
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import TABLES
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.commit import set_table_properties
+    from partfin_assets.iceberg.tables import ensure_base_table
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z, now_utc, to_us
+    from partfin_assets_tests.conftest import change_batch
+
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PARTFIN_CATALOG_URI", raising=False)
+    monkeypatch.delenv("PARTFIN_CATALOG", raising=False)
+    now_hour = floor_hour_us(to_us(now_utc()))
+    start = now_hour - 5 * US_PER_HOUR
+    from partfin_assets.finalization.hours import hour_key
+
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", hour_key(start))
+    catalog = load_partfin_catalog()
+    spec = TABLES[0].spec
+    CdcWriter(catalog, spec).write_checkpoint(change_batch([start + 60_000_000], offset="o"))
+    ensure_base_table(catalog, spec)
+    # a watermark 5 h in the future, as a table written before partfin capped it carries
+    set_table_properties(catalog, f"base.{spec.name}", {K.PROP_WATERMARK: iso_z(now_hour + 5 * US_PER_HOUR)})
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def(f"finalize_{spec.name}_sensor")
+    instance = DagsterInstance.ephemeral()
+    with build_sensor_context(instance=instance, resources=defs.get_repository_def().get_top_level_resources()) as ctx:
+        result = sensor(ctx)
+    existing = set(TABLES[0].partitions_def().get_partition_keys())
+    requested = [r.partition_key for r in result.run_requests]
+    assert requested == [hour_key(start + i * US_PER_HOUR) for i in range(6)]  # up to the current hour, which exists
+    assert set(requested) <= existing
+    instance.dispose()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 from pyiceberg.table.snapshots import Snapshot
@@ -16,8 +17,8 @@ from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy, advance
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds
-from partfin_assets.model.timeutil import floor_hour_us, iso_z
+from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds, suspect_future
+from partfin_assets.model.timeutil import US_PER_SECOND, floor_hour_us, iso_z, parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,35 @@ def log_late_data(alert: LateDataAlert) -> None:
 
 
 def late_records_by_hour(sorted_event_time_us: np.ndarray, watermark_us: int) -> dict[str, int]:
-    late = sorted_event_time_us[: np.searchsorted(sorted_event_time_us, watermark_us)]
-    bounds = hour_bounds(late)
-    return {iso_z(floor_hour_us(late[start])): end - start for start, end in zip(bounds, bounds[1:])}
+    return records_by_hour(sorted_event_time_us[: np.searchsorted(sorted_event_time_us, watermark_us)])
+
+
+def records_by_hour(sorted_event_time_us: np.ndarray) -> dict[str, int]:
+    bounds = hour_bounds(sorted_event_time_us)
+    return {iso_z(floor_hour_us(sorted_event_time_us[start])): end - start for start, end in zip(bounds, bounds[1:])}
+
+
+DEFAULT_FUTURE_TOLERANCE = timedelta(minutes=5)
+
+
+def future_tolerance_us(properties: Mapping[str, str]) -> int:
+    """How far past the commit's clock an event time is still plausible (`partfin.event-time.future-tolerance`)."""
+    text = properties.get(K.PROP_FUTURE_TOLERANCE)
+    return int((parse_duration(text) if text else DEFAULT_FUTURE_TOLERANCE).total_seconds() * US_PER_SECOND)
+
+
+def suspect_future_entry(sorted_event_time_us: np.ndarray, heartbeat_us: int | None, clock_us: int, tolerance_us: int) -> dict:
+    """What a commit carries beyond its clock + tolerance (empty: nothing): a source clock ahead of ours."""
+    limit = clock_us + tolerance_us
+    future = sorted_event_time_us[np.searchsorted(sorted_event_time_us, limit, side="right"):]
+    entry: dict = {}
+    if future.size:
+        entry = {"records": int(future.size), "by-hour": records_by_hour(future), "max": iso_z(future[-1])}
+    if heartbeat_us is not None and heartbeat_us > limit:
+        entry["heartbeat"] = iso_z(heartbeat_us)
+    if entry:
+        entry.update({"clock": iso_z(clock_us), "tolerance-s": tolerance_us / US_PER_SECOND})
+    return entry
 
 
 def table_candidate(ctx: CommitContext) -> int | None:
@@ -66,6 +93,12 @@ class WatermarkProcessor(CommitProcessor):
     the table's candidate is the minimum over its active streams (iceberg/streams.py), so one
     writer never moves the watermark past data another has not committed yet.
 
+    Time from the future: event times (or a heartbeat) beyond the commit's clock plus the table's
+    tolerance are suspect -- a source clock ahead of ours, local time stored as UTC. They are
+    written, counted (`partfin.suspect-future`) and logged, and claim no progress; and no stream's
+    candidate ever passes floor_hour(commit clock), so the watermark never finalizes an hour that
+    has not begun.
+
     Runs on every commit attempt against that attempt's fresh metadata, so the update is a
     compare-and-set: a concurrent writer's newer watermark is seen and never overwritten.
     """
@@ -81,16 +114,23 @@ class WatermarkProcessor(CommitProcessor):
         policy = WatermarkPolicy.parse(metadata.properties.get(K.PROP_WATERMARK_POLICY))
         previous = watermark_of(metadata.properties)
 
+        heartbeat = ctx.heartbeat_us if event_times.stats.is_empty else None
+        suspect = suspect_future_entry(event_times.event_time_us, heartbeat, ctx.clock_us, future_tolerance_us(metadata.properties))
+        if suspect:
+            ctx.summary[K.SUSPECT_FUTURE] = compact_json(suspect)
+        # what this commit claims: its min event time (ascending, so never a suspect one unless all
+        # are), or its heartbeat; nothing when all of it lay in the future
         this_commit: list[CommitStats] = []
-        if not event_times.stats.is_empty:
+        if not event_times.stats.is_empty and suspect.get("records", 0) < event_times.stats.count:
             this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats)]
-        elif ctx.heartbeat_us is not None:
-            this_commit = [CommitStats(None, ctx.heartbeat_us, event_times.stats)]
+        elif heartbeat is not None and "heartbeat" not in suspect:
+            this_commit = [CommitStats(None, heartbeat, event_times.stats)]
         if this_commit:  # a commit without stats leaves its stream's progress where it is
             window = this_commit + recent_commit_stats(
                 metadata, policy.lookback - 1, with_digest=policy.quantile is not None, writer_id=ctx.writer_id
             )
-            ctx.stream_progress_us = policy.candidate_us(window)
+            candidate = policy.candidate_us(window)
+            ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.clock_us))
         watermark = advance(previous, table_candidate(ctx))
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
@@ -105,6 +145,14 @@ class WatermarkProcessor(CommitProcessor):
                 ctx.properties[K.PROP_WATERMARK] = iso_z(watermark)
 
     def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
+        suspect = suspect_future(ctx.summary)
+        if suspect:
+            log.warning(
+                "%s: checkpoint %d (snapshot %d) carries %d record(s) with event times up to %s%s, beyond its clock "
+                "%s + %gs: a source clock ahead? They are written and counted, and never move the watermark",
+                ctx.table_name, ctx.checkpoint_id, snapshot.snapshot_id, suspect.get("records", 0), suspect.get("max", "-"),
+                f" and heartbeat {suspect['heartbeat']}" if "heartbeat" in suspect else "", suspect["clock"], suspect["tolerance-s"],
+            )
         late = int(ctx.summary.get(K.LATE_RECORDS, "0"))
         if not late:
             return

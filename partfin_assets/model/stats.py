@@ -278,14 +278,25 @@ class CommitStats:
     stats: EventTimeStats  # empty for heartbeat-only commits
 
 
-def commit_stats(summary: dict[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
-    """None for commits without event-time stats (compaction, deletes, overwrites, stat-less appends)."""
+def commit_stats(summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
+    """None for commits that claim no progress: without event-time stats (compaction, deletes,
+    overwrites, stat-less appends), or whose every event time (or heartbeat) lay in the future
+    of their commit clock (`partfin.suspect-future`: such times never drive progress)."""
     stats = EventTimeStats.from_summary(summary, with_digest=with_digest)
     if stats is None:
         return None
+    suspect = suspect_future(summary)
     if not stats.is_empty:
-        return CommitStats(snapshot_id, stats.min_us, stats)
+        if suspect.get("records", 0) >= stats.count:
+            return None
+        return CommitStats(snapshot_id, stats.min_us, stats)  # ascending: the min is never the suspect one
     heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
-    if heartbeat is None:
+    if heartbeat is None or "heartbeat" in suspect:
         return None
     return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)
+
+
+def suspect_future(summary: Mapping[str, str]) -> dict:
+    """The commit's `partfin.suspect-future` entry ({} when it has none, as nearly every commit)."""
+    text = summary.get(K.SUSPECT_FUTURE)
+    return json.loads(text) if text else {}

@@ -23,6 +23,9 @@ LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": c
 # JSON {"<hour iso Z>": {"n", "min", "max", "p50", "p99" (iso Z), "c": [[mean_s, count], ...]}}
 EVENT_TIME_BY_HOUR = "partfin.event-time.by-hour"
 REJECTED_RECORDS = "partfin.rejected-records"
+# only when the commit has some: JSON {"records", "by-hour": {"<hour iso Z>": n}, "max", "heartbeat",
+# "clock", "tolerance-s"}: event times (or the heartbeat) beyond the commit's clock + tolerance
+SUSPECT_FUTURE = "partfin.suspect-future"
 SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
@@ -62,6 +65,7 @@ PROP_WATERMARK = "partfin.watermark"
 PROP_WATERMARK_POLICY = "partfin.watermark.policy"
 PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
+PROP_FUTURE_TOLERANCE = "partfin.event-time.future-tolerance"  # cdc: how far past the commit clock an event time is plausible (default 5m)
 PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
 
 # snapshot refs

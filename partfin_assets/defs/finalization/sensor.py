@@ -91,7 +91,17 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
         cursor = FinalizationCursor(max(first, table.start_us))
     # hours before the partitions' start date (moved later by PARTFIN_PARTITIONS_START) are not partitions
     cursor = FinalizationCursor(max(cursor.next_hour_us, table.start_us))
-    hours = newly_finalized(cursor.next_hour_us, watermark, MAX_HOURS_PER_TICK)
+    # Only hours that exist as partitions: a watermark past the newest one (a table written before
+    # partfin capped it at the commit clock, or clocks that disagree) must not fail the whole tick
+    # with DagsterUnknownPartitionError and starve the valid hours; later hours come once they exist.
+    last_partition = hour_from_key(table.partitions_def().get_last_partition_key())
+    reachable = min(watermark, last_partition + US_PER_HOUR)
+    if reachable < watermark:
+        context.log.warning(
+            f"base.{table.name} watermark {iso_z(watermark)} is past the newest partition {hour_key(last_partition)}: "
+            "hours after it are requested once they exist"
+        )
+    hours = newly_finalized(cursor.next_hour_us, reachable, MAX_HOURS_PER_TICK)
     if not hours:
         return SensorResult(
             skip_reason=SkipReason(f"no new hour finalized: base watermark {iso_z(watermark)}, next hour {iso_z(cursor.next_hour_us)}"),
