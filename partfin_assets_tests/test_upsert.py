@@ -179,15 +179,20 @@ def test_heartbeat_only_snapshots_advance_position_and_watermark(h: Harness):
     assert history == sorted(history)
 
 
-def test_only_touched_buckets_are_rewritten(h: Harness):
+def test_an_update_appends_its_version_and_deletes_the_old_one_by_position(h: Harness):
+    """Merge-on-read: one new data file and one position-delete file in the key's bucket; nothing rewritten."""
     h.write([(i, "c", 0, i, float(i)) for i in range(1, 201)])
     h.upsert()
     files_before = {task.file.file_path for task in h.base().scan().plan_files()}
     h.write([(7, "u", 10, 1000, 70.0)])
     result = h.upsert()
-    assert result.buckets_rewritten == 1 and result.files_removed == 1 and result.files_added == 1
-    files_after = {task.file.file_path for task in h.base().scan().plan_files()}
-    assert len(files_before - files_after) == 1 and len(files_after - files_before) == 1
+    assert result.buckets_rewritten == 1 and result.files_removed == 0 and result.files_added == 2
+    assert result.files_scanned == 1  # the key columns of the one file of key 7's bucket
+    tasks = h.base().scan().plan_files()
+    files_after = {task.file.file_path for task in tasks}
+    assert files_before < files_after and len(files_after - files_before) == 1
+    [deletes] = {d for task in tasks for d in task.delete_files}
+    assert deletes.record_count == 1 and deletes.partition == next(t.file.partition for t in tasks if t.file.file_path not in files_before)
     assert len(h.live()) == 200 and h.live()[7] == (70.0, 1000)
 
 

@@ -1,7 +1,10 @@
 """The one file layer: which partition a data file is in, which files are live, their rows, writing and deleting them.
 
-partfin writes copy-on-write (no delete files), so a snapshot's rows are exactly the rows of
-its live data files. Every partfin module that lists, reads or writes data files does it here.
+cdc.<table> is append-only: its rows are the rows of its live data files. base.<table> is
+merge-on-read: position-delete files (iceberg/position_deletes.py) remove rows of its data files,
+and `read_files` always applies the deletes live at the table's (pinned) snapshot, so no partfin
+module can read a deleted row back by accident. Every partfin module that lists, reads or writes
+data files does it here.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import pyarrow as pa
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
-from pyiceberg.manifest import DataFile, ManifestContent
+from pyiceberg.manifest import DataFile, DataFileContent, ManifestContent
 from pyiceberg.table import FileScanTask, Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.transforms import HourTransform
 from pyiceberg.typedef import Record
 
+from partfin_assets.iceberg import position_deletes  # noqa: F401 - installs the fast position-delete reader
 from partfin_assets.model.timeutil import US_PER_HOUR
 
 WHOLE_TABLE = "*"  # the target / touched "partition" of an unpartitioned table, or "unknown: assume all"
@@ -31,14 +35,19 @@ WHOLE_TABLE = "*"  # the target / touched "partition" of an unpartitioned table,
 
 def partition_path(metadata: TableMetadata, data_file: DataFile) -> str:
     """The partition of a data file as PyIceberg names it in snapshot summaries (`event_time_hour=2026-11-01-00`)."""
-    try:
-        spec_id = data_file.spec_id
-    except AttributeError:  # a file just written (not read from a manifest) belongs to the default spec
-        spec_id = metadata.default_spec_id
-    spec = metadata.specs().get(spec_id, metadata.spec())
+    spec = metadata.specs().get(spec_id_of(metadata, data_file), metadata.spec())
     if spec.is_unpartitioned() or len(data_file.partition) == 0:
         return WHOLE_TABLE
     return spec.partition_to_path(data_file.partition, metadata.schema())
+
+
+def spec_id_of(metadata: TableMetadata, data_file: DataFile) -> int:
+    """The partition spec of a file: from its manifest, else (a file just written) the default spec."""
+    try:
+        return data_file.spec_id
+    except AttributeError:
+        data_file.spec_id = metadata.default_spec_id
+        return data_file.spec_id
 
 
 def partition_path_of_values(metadata: TableMetadata, values: Iterable) -> str:
@@ -62,20 +71,26 @@ def hour_partition(metadata: TableMetadata, hour_us: int) -> str:
 
 
 def data_files(table: Table, snapshot: Snapshot | None, *, skip_manifests: Set[str] = frozenset()) -> list[DataFile]:
-    """The live data files of `snapshot` (manifests only), except those of the manifests in `skip_manifests`.
+    """The live data files of `snapshot` (manifests only), except those of the manifests in `skip_manifests`."""
+    return _live_entries(table, snapshot, ManifestContent.DATA, skip_manifests)
 
-    partfin tables hold data files only; a delete manifest (another engine's merge-on-read) is
-    refused rather than ignored, since the rows of the data files would no longer be the table's.
-    """
+
+def position_delete_files(table: Table, snapshot: Snapshot | None) -> list[DataFile]:
+    """The live position-delete files of `snapshot` (base.<table> writes them; cdc.<table> has none)."""
+    return _live_entries(table, snapshot, ManifestContent.DELETES)
+
+
+def _live_entries(table: Table, snapshot: Snapshot | None, content: ManifestContent, skip_manifests: Set[str] = frozenset()) -> list[DataFile]:
     if snapshot is None:
         return []
     out = []
     for manifest in snapshot.manifests(table.io):
-        if manifest.manifest_path in skip_manifests:
+        if manifest.manifest_path in skip_manifests or manifest.content != content:
             continue
-        if manifest.content != ManifestContent.DATA:
-            raise NotImplementedError(f"{table.name()}: {manifest.manifest_path} holds delete files, which partfin does not read")
-        out += [entry.data_file for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)]
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+            if entry.data_file.content == DataFileContent.EQUALITY_DELETES:
+                raise NotImplementedError(f"{table.name()}: {entry.data_file.file_path} is an equality-delete file, which partfin does not read")
+            out.append(entry.data_file)
     return out
 
 
@@ -106,13 +121,28 @@ def live_files(table: Table, snapshot_id: int | None = None, partitions: Iterabl
 # --------------------------------------------------------------------------- reading, writing, deleting
 
 
-def read_files(table: Table, files: Iterable[DataFile]) -> pa.Table:
-    """The rows of some data files of `table`, read with its (pinned) metadata; no delete files: copy-on-write."""
+def read_files(table: Table, files: Iterable[DataFile], *, deletes: Iterable[DataFile] | None = None) -> pa.Table:
+    """The rows of some data files of `table`, read with its (pinned) metadata, less the rows its position deletes remove.
+
+    `deletes`: the delete files to apply; by default those live at the table's current snapshot
+    (for a job's table: its start snapshot). Only the ones of a file's partition are attached to it.
+    """
     metadata = table.metadata
-    tasks = [FileScanTask(f) for f in files]
-    if not tasks:
+    files = list(files)
+    if not files:
         return metadata.schema().as_arrow().empty_table()
+    if deletes is None:
+        deletes = position_delete_files(table, table.current_snapshot())
+    by_partition: dict[tuple[int, tuple], set[DataFile]] = {}
+    for delete_file in deletes:
+        by_partition.setdefault(partition_key_of(metadata, delete_file), set()).add(delete_file)
+    tasks = [FileScanTask(f, delete_files=by_partition.get(partition_key_of(metadata, f), set())) for f in files]
     return ArrowScan(metadata, table.io, metadata.schema(), AlwaysTrue()).to_table(tasks)
+
+
+def partition_key_of(metadata: TableMetadata, data_file: DataFile) -> tuple[int, tuple]:
+    """(spec id, partition values): the files of one partition, delete files included, share it."""
+    return spec_id_of(metadata, data_file), tuple(data_file.partition)
 
 
 def write_data_files(table: Table, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> Iterator[DataFile]:

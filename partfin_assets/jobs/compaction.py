@@ -11,6 +11,12 @@ By default only finalized hours are compacted (hour + 1h <= watermark): the CDC
 writer still appends to the others, and every such append would make the
 compaction lose. The commit carries no event-time stats, so the watermark
 policy skips it, and rows are rewritten unchanged (same records, same values).
+
+base.<table> (bucketed, merge-on-read) gets position-delete files from the
+upsert: compaction folds them back. A bucket with delete files is rewritten
+whole (its rows with the deletes applied, sorted by key) and its delete files
+are removed in the same commit, so a compacted table reads like a freshly
+written one. Buckets are not hours, so every bucket qualifies.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from datetime import UTC, datetime
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.manifest import DataFile
+from pyiceberg.transforms import BucketTransform
 from pyiceberg.transforms import HourTransform
 
-from partfin_assets.iceberg.files import hour_partition, live_files, read_files
+from partfin_assets.iceberg.files import hour_partition, live_files, partition_path, position_delete_files, read_files
 from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
@@ -83,12 +91,25 @@ def _hour_of_partition(table, partition: str) -> int | None:
     return to_us(datetime.strptime(text, "%Y-%m-%d-%H").replace(tzinfo=UTC))
 
 
+def key_column(table) -> str | None:
+    """The key a bucketed table (base.<table>) is partitioned by: its files are written sorted by it."""
+    spec = table.metadata.spec()
+    if len(spec.fields) == 1 and isinstance(spec.fields[0].transform, BucketTransform):
+        return table.metadata.schema().find_field(spec.fields[0].source_id).name
+    return None
+
+
 def plan_compaction(
-    files: dict[str, list[DataFile]], target_file_size_bytes: int, min_input_files: int
+    files: dict[str, list[DataFile]], target_file_size_bytes: int, min_input_files: int,
+    deletes: dict[str, list[DataFile]] | None = None,
 ) -> dict[str, list[DataFile]]:
-    """Per partition, the small files worth rewriting (at least `min_input_files` files below the target size)."""
+    """Per partition, the files worth rewriting: at least `min_input_files` files below the target size,
+    or every file of a partition that has position deletes to fold."""
     out = {}
     for partition, partition_files in files.items():
+        if deletes and deletes.get(partition):
+            out[partition] = sorted(partition_files, key=lambda f: f.file_path)
+            continue
         small = [f for f in partition_files if f.file_size_in_bytes < target_file_size_bytes * 3 // 4]
         if len(small) >= max(2, min_input_files):
             out[partition] = sorted(small, key=lambda f: f.file_path)
@@ -122,6 +143,7 @@ def compact(
             wanted = set(partitions or ())
             wanted |= {hour_partition(table.metadata, h) for h in hours or ()}
         files = live_files(table, job.start_snapshot_id, wanted)
+        sort_by = sort_by or key_column(table)
         result = CompactionResult(identifier, job.job_id, None)
         if finalized_only:
             watermark = watermark_of(table.properties)
@@ -132,14 +154,18 @@ def compact(
                 if watermark is None or hour + 3_600_000_000 > watermark:
                     result.skipped_not_finalized.append(partition)
                     del files[partition]
-        plan = plan_compaction(files, target_file_size_bytes, min_input_files)
+        deletes: dict[str, list[DataFile]] = {}
+        for delete_file in position_delete_files(table, table.current_snapshot()):
+            deletes.setdefault(partition_path(table.metadata, delete_file), []).append(delete_file)
+        plan = plan_compaction(files, target_file_size_bytes, min_input_files, deletes)
         if not plan:
             job.abort()
             return result
         removed: list[DataFile] = []
         added: list[DataFile] = []
         for partition, small in sorted(plan.items()):
-            rows = read_files(table, small)
+            folded = deletes.get(partition, [])
+            rows = read_files(table, small, deletes=folded)
             if sort_by is not None:
                 rows = rows.sort_by(sort_by)
             # PyIceberg bin-packs by in-memory (Arrow) size: scale the target by the input's
@@ -147,11 +173,12 @@ def compact(
             on_disk = max(1, sum(f.file_size_in_bytes for f in small))
             write_target = max(1, int(target_file_size_bytes * rows.nbytes / on_disk))
             new_files = job.write(rows, target_file_size_bytes=write_target)
-            records_in = sum(f.record_count for f in small)
+            gone = positions_by_file(read_positions(table.io, folded))
+            records_in = sum(f.record_count - len(gone.get(f.file_path, ())) for f in small)
             records_out = sum(f.record_count for f in new_files)
             if records_in != records_out or rows.num_rows != records_in:
                 raise RuntimeError(f"{identifier} {partition}: compaction read {rows.num_rows} of {records_in} records, wrote {records_out}")
-            removed += small
+            removed += small + folded
             added += new_files
             result.partitions.append(
                 PartitionCompaction(

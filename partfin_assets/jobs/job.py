@@ -23,8 +23,17 @@ from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
-from partfin_assets.iceberg.files import WHOLE_TABLE, delete_files, live_files, partition_path, write_data_files
+from partfin_assets.iceberg.files import (
+    WHOLE_TABLE,
+    delete_files,
+    live_files,
+    partition_path,
+    position_delete_files,
+    write_data_files,
+)
 from partfin_assets.iceberg.history import lineage, summary_of
+from partfin_assets.iceberg.position_deletes import write_position_deletes
+from partfin_assets.iceberg.row_delta import row_delta
 from partfin_assets.jobs.conflicts import CommitConflictError, Conflict, commits_touching, find_conflict
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
@@ -50,6 +59,47 @@ class JobResult:
 
 
 Hook = Callable[["Job"], None]
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """Who a job is and what it read (picklable): a fanned-out run's commit step resumes the job from it."""
+
+    job_id: str
+    start_snapshot_id: int | None
+    start_spec_id: int
+    start_sequence_number: int | None
+
+
+@dataclass
+class StagedFiles:
+    """Files written for a job and not committed yet: the job commits them or deletes them.
+
+    A step of a fanned-out job (another process, e.g. one bucket group of an upsert) writes through
+    its own StagedFiles, discards them if it fails, and hands them to the step that commits
+    (`Job.adopt`), which commits them or deletes them with its own.
+    """
+
+    table: Table
+    written: list[str] = field(default_factory=list)
+
+    def write(self, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> list[DataFile]:
+        if rows.num_rows == 0:
+            return []
+        files: list[DataFile] = []
+        for data_file in write_data_files(self.table, rows.cast(self.table.schema().as_arrow()), target_file_size_bytes=target_file_size_bytes):
+            files.append(data_file)
+            self.written.append(data_file.file_path)  # registered at once: a failure later still cleans it up
+        return files
+
+    def write_deletes(self, spec_id: int, partition, positions: pa.Table) -> DataFile:
+        delete_file = write_position_deletes(self.table, spec_id, partition, positions)
+        self.written.append(delete_file.file_path)
+        return delete_file
+
+    def discard(self) -> None:
+        delete_files(self.table.io, self.written)
+        self.written.clear()
 
 
 @dataclass
@@ -104,6 +154,20 @@ class Job:
             start_sequence_number=head.sequence_number if head is not None else None, before_commit=hooks,
         )
 
+    @property
+    def started(self) -> JobStart:
+        return JobStart(self.job_id, self.start_snapshot_id, self.start_spec_id, self.start_sequence_number)
+
+    @classmethod
+    def resume(cls, catalog: Catalog, identifier: str, kind: JobKind, start: JobStart, *, before_commit: Hook | Iterable[Hook] | None = None) -> Job:
+        """The job another step of a fanned-out run started (same id, same start): it commits from here."""
+        table = catalog.load_table(identifier)
+        hooks = [] if before_commit is None else [before_commit] if callable(before_commit) else list(before_commit)
+        return cls(
+            catalog, identifier, JobKind(kind), start.job_id, table, start.start_snapshot_id, start.start_spec_id,
+            start_sequence_number=start.start_sequence_number, before_commit=hooks,
+        )
+
     def __enter__(self) -> Job:
         return self
 
@@ -136,22 +200,29 @@ class Job:
 
     # ---- write side
 
+    @property
+    def staged(self) -> StagedFiles:
+        """Where this job's files are written and registered for cleanup."""
+        return StagedFiles(self.table, self.written)
+
     def write(self, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> list[DataFile]:
         """Write rows as data files of this table (partitioned by its spec); registered for cleanup."""
-        if rows.num_rows == 0:
-            return []
-        files: list[DataFile] = []
-        for data_file in write_data_files(self.table, rows.cast(self.table.schema().as_arrow()), target_file_size_bytes=target_file_size_bytes):
-            files.append(data_file)
-            self.written.append(data_file.file_path)  # registered at once: a failure later still cleans it up
-        return files
+        return self.staged.write(rows, target_file_size_bytes=target_file_size_bytes)
+
+    def write_deletes(self, spec_id: int, partition, positions: pa.Table) -> DataFile:
+        """Write (file_path, pos) rows as one position-delete file of `partition`; registered for cleanup."""
+        return self.staged.write_deletes(spec_id, partition, positions)
+
+    def adopt(self, files: Iterable[DataFile]) -> None:
+        """Take over files another process wrote for this job (a fanned-out step): committed or deleted with it."""
+        self.written.extend(f.file_path for f in files)
 
     def abort(self) -> None:
         """Delete everything this job wrote; it never committed, so nothing of it is visible."""
         if self.written:
-            delete_files(self.table.io, self.written)
-            log.info("%s: %s job %s aborted; %d file(s) deleted", self.identifier, self.kind.value, self.job_id, len(self.written))
-            self.written = []
+            count = len(self.written)
+            self.staged.discard()
+            log.info("%s: %s job %s aborted; %d file(s) deleted", self.identifier, self.kind.value, self.job_id, count)
         self.aborted = True
 
     # ---- commit
@@ -246,6 +317,7 @@ class Job:
     ) -> JobResult:
         """UPDATE/DELETE or MERGE: replace the files read at the start snapshot, if no one touched their partitions.
 
+        `remove` and `add` may hold data files and position-delete files (a merge-on-read row delta).
         `properties` are set in the same commit; with them the job commits even when no file changes.
         """
         if self.kind not in FAILING_KINDS:
@@ -267,6 +339,8 @@ class Job:
 
         def stage(head, tx, snapshot_summary):
             replaced, _ = self.overwrite_split(head)
+            # delete files of the replaced partitions go with them (merge-on-read tables)
+            replaced += [d for d in position_delete_files(head, head.current_snapshot()) if partition_path(head.metadata, d) in self.partitions]
             return _stage_file_swap(tx, snapshot_summary, replaced, add)
 
         return self.commit(stage, summary=summary)
@@ -314,7 +388,7 @@ def _stage_file_swap(
     tx: Transaction, snapshot_summary: dict[str, str], remove: list[DataFile], add: list[DataFile],
     properties: Mapping[str, str] | None = None,
 ) -> bool:
-    """Stage one overwrite snapshot that removes and adds whole data files (and sets `properties`).
+    """Stage one snapshot that removes and adds whole data and delete files (and sets `properties`).
 
     False when there is nothing to commit at all.
     """
@@ -322,9 +396,9 @@ def _stage_file_swap(
         return False
     if properties:
         tx.set_properties(dict(properties))
-    with tx.update_snapshot(snapshot_properties=snapshot_summary).overwrite() as overwrite:
+    with row_delta(tx, snapshot_summary) as delta:
         for data_file in remove:
-            overwrite.delete_data_file(data_file)
+            delta.remove_file(data_file)
         for data_file in add:
-            overwrite.append_data_file(data_file)
+            delta.add_file(data_file)
     return True

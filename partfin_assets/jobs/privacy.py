@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,6 +40,7 @@ from pyiceberg.expressions import And, BooleanExpression, In
 
 from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
@@ -84,17 +86,20 @@ def delete_where(
         if job.start_snapshot_id is None:
             job.abort()
             return result
-        candidates = [task.file for task in table.scan(row_filter=prune, snapshot_id=job.start_snapshot_id).plan_files()]
+        tasks = table.scan(row_filter=prune, snapshot_id=job.start_snapshot_id).plan_files()
         remove, add = [], []
-        for data_file in candidates:
-            rows = read_files(table, [data_file])
-            hit = mask(rows)
-            count = int(pc.sum(hit).as_py() or 0)
-            if count == 0:
+        for task in tasks:
+            # Every physical row of the key goes, old versions a position delete hides included:
+            # erasure means not in any live file, not only invisible.
+            rows = read_files(table, [task.file], deletes=[])
+            hit = mask(rows).to_numpy(zero_copy_only=False)
+            if not hit.any():
                 continue
-            remove.append(data_file)
-            add += job.write(rows.filter(pc.invert(hit)))
-            result.deleted_records += count
+            hidden = np.zeros(rows.num_rows, dtype=bool)
+            hidden[positions_by_file(read_positions(table.io, task.delete_files)).get(task.file.file_path, np.array([], np.int64))] = True
+            remove.append(task.file)
+            add += job.write(rows.filter(pa.array(~hit & ~hidden)))
+            result.deleted_records += int((hit & ~hidden).sum())
         if not remove:
             job.abort()
             return result

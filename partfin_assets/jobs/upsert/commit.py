@@ -1,12 +1,13 @@
-"""Upsert step 4, commit: one UPDATE/DELETE job commit on base.<table>, then the merged-position tag.
+"""Upsert step 4, commit: one UPDATE/DELETE job commit on base.<table> for every group, then the merged-position tag.
 
-One overwrite snapshot removes the old files of the rewritten buckets, adds the new ones, and
-sets `partfin.source-table`, `partfin.source-snapshot-id` and `partfin.watermark` (the watermark
-of the merged CDC snapshot) as table properties and summary entries: data, position and
-completeness signal in one atomic commit.
+One snapshot adds the groups' new data files and delete files, removes the delete files they
+replace and the data files they folded, and sets `partfin.source-table`,
+`partfin.source-snapshot-id` and `partfin.watermark` (the watermark of the merged CDC snapshot)
+as table properties and summary entries: data, position and completeness signal in one atomic
+commit.
 
 As a `Job` the upsert follows the conflict matrix (DESIGN §6): it fails with
-`CommitConflictError` when a commit after its start touched a bucket it read or rewrites, or when
+`CommitConflictError` when a commit after its start touched a bucket it read or writes, or when
 another upsert moved `partfin.source-snapshot-id` meanwhile (a compare-and-set on the position);
 commits to other buckets (a privacy delete, a compaction) only cost a rebuild on the fresh head.
 """
@@ -14,33 +15,40 @@ commits to other buckets (a privacy delete, a compaction) only cost a rebuild on
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
-from pyiceberg.manifest import DataFile
 
 from partfin_assets.iceberg.files import partition_path_of_values
 from partfin_assets.jobs.job import Job, JobResult
-from partfin_assets.jobs.upsert.merge import Merge
-from partfin_assets.jobs.upsert.plan import UpsertPlan, merged_source_snapshot_id
+from partfin_assets.jobs.upsert.merge import GroupMerge
+from partfin_assets.jobs.upsert.plan import MergePosition, merged_source_snapshot_id
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
+from partfin_assets.model.timeutil import iso_z
 
 log = logging.getLogger(__name__)
 
 
-def commit_merge(job: Job, plan: UpsertPlan, merge: Merge, new_files: list[DataFile], *, quarantined: int = 0) -> JobResult:
-    """Commit the merge as `job` (started on base.<table> at the plan's snapshot); conflicts raise."""
-    position = {K.PROP_SOURCE_TABLE: plan.spec.cdc_identifier, K.PROP_SOURCE_SNAPSHOT_ID: str(plan.cdc_snapshot.snapshot_id)}
+def commit_merge(
+    job: Job, plan: MergePosition, merges: Iterable[GroupMerge], touched_groups: Iterable[int], *, quarantined: int = 0,
+) -> JobResult:
+    """Commit the groups' merges as `job` (started on base.<table> at the plan's snapshot); conflicts raise."""
+    merges = list(merges)
+    position = {K.PROP_SOURCE_TABLE: plan.spec.cdc_identifier, K.PROP_SOURCE_SNAPSHOT_ID: str(plan.cdc_snapshot_id)}
+    hours = sorted({h for m in merges for h in m.hours_us})
     summary = {
         **position,
         K.UPSERT_CDC_SNAPSHOTS: str(len(plan.merged_ids)),
-        K.UPSERT_INSERTED: str(merge.inserted),
-        K.UPSERT_UPDATED: str(merge.updated),
-        K.UPSERT_DELETED: str(merge.deleted),
-        K.UPSERT_STALE: str(merge.stale),
-        K.UPSERT_HOURS: compact_json(merge.hours),
+        K.UPSERT_INSERTED: str(sum(m.inserted for m in merges)),
+        K.UPSERT_UPDATED: str(sum(m.updated for m in merges)),
+        K.UPSERT_DELETED: str(sum(m.deleted for m in merges)),
+        K.UPSERT_STALE: str(sum(m.stale for m in merges)),
+        K.UPSERT_HOURS: compact_json([iso_z(h) for h in hours]),
     }
+    if quarantined:
+        summary[K.UPSERT_QUARANTINED] = str(quarantined)
     if quarantined:
         summary[K.UPSERT_QUARANTINED] = str(quarantined)
     properties = dict(position)
@@ -49,8 +57,18 @@ def commit_merge(job: Job, plan: UpsertPlan, merge: Merge, new_files: list[DataF
         properties[K.PROP_WATERMARK] = plan.watermark
     previous = plan.previous_source_id
     job.expect_properties({K.PROP_SOURCE_SNAPSHOT_ID: str(previous) if previous is not None else None})
-    job.target(partition_path_of_values(job.table.metadata, [bucket]) for bucket in merge.read_buckets)
-    return job.commit_replace(merge.remove, new_files, summary, properties=properties)
+    for merge in merges:
+        job.target(merge.targets)
+    groups = set(touched_groups)
+    if plan.buckets is not None:  # a group's buckets with no file yet: a concurrent first write there conflicts too
+        job.target(
+            partition_path_of_values(job.table.metadata, [bucket])
+            for bucket in range(plan.buckets)
+            if bucket % plan.groups in groups
+        )
+    remove = [f for m in merges for f in m.remove]
+    add = [f for m in merges for f in m.add]
+    return job.commit_replace(remove, add, summary, properties=properties)
 
 
 def sync_merged_tag(catalog: Catalog, name: str, *, max_attempts: int = 10) -> int | None:

@@ -96,11 +96,32 @@ def _unfit_rows(raw: pa.Table, unfit: dict[int, tuple[str | None, str]]) -> pa.T
     return rows.append_column("reason", pa.array([unfit[i][1] for i in order], pa.string()))
 
 
+# Last writer wins: the order of two versions of a key. Both rules below derive from it.
+ORDER_COLUMNS = (EVENT_TIME, SOURCE_SEQ)
+
+
 def winners(spec: TableSpec, changes: pl.DataFrame) -> pl.DataFrame:
     """One change per primary key: the newest by (event time, source position).
 
     (event time, source position) identifies a change, so ties are re-deliveries of the same change;
     op and payload only make the choice deterministic should a source ever repeat a position.
     """
-    ordered = changes.sort([EVENT_TIME, SOURCE_SEQ, "op", "payload"], nulls_last=False)
+    ordered = changes.sort([*ORDER_COLUMNS, "op", "payload"], nulls_last=False)
     return ordered.unique(subset=list(spec.primary_key), keep="last", maintain_order=False).drop(["op", "payload"])
+
+
+def newer_than_base(change_suffix: str) -> pl.Expr:
+    """True where a change (columns named `<column><change_suffix>`) is strictly newer than the base row beside it.
+
+    A change replaces a base row only when it is strictly newer, so re-delivered or reordered
+    changes give the same table; a null base side (no base row) is not newer: callers decide.
+    """
+    newer: pl.Expr | None = None
+    equal_so_far: pl.Expr | None = None
+    for column in ORDER_COLUMNS:
+        change, base = pl.col(column + change_suffix), pl.col(column)
+        step = change > base if equal_so_far is None else equal_so_far & (change > base)
+        newer = step if newer is None else newer | step
+        equal_so_far = (change == base) if equal_so_far is None else equal_so_far & (change == base)
+    assert newer is not None
+    return newer

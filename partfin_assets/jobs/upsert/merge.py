@@ -1,141 +1,210 @@
-"""Upsert step 3, merge (polars, vectorized): the winning changes against the base rows of the buckets they touch.
+"""Upsert step 3, merge one key group, merge-on-read: the winning changes against the old versions of their keys.
 
-A change replaces a base row only when it is strictly newer by (event time, source position).
-Deletes become tombstones (`_deleted`), so an older update arriving later cannot resurrect the
-row. Only the buckets where a change wins are rewritten; the buckets read are recorded for the
-job's per-partition conflict check (DESIGN §6).
+For a group (the buckets `bucket mod G == g`): locate the live old version of every changed key
+(jobs/upsert/locate.py: key columns only, key-range-pruned files), decide last-writer-wins per
+key (jobs/upsert/decode.py `newer_than_base`), then
+
+- append the new versions (deletes become tombstones, `_deleted`, so an older update arriving
+  later cannot resurrect the row) as one data file per bucket, sorted by key;
+- delete the old versions by position: per bucket one position-delete file holding the bucket's
+  earlier positions and the new ones, replacing the earlier file;
+- when a bucket has collected more than `max_data_files` data files, fold the small ones (every
+  file but the largest, with their deletes applied) into one: reads stay close to a compacted
+  table's between compactions, and the cost stays with the recent changes.
+
+The result lists the files to add and remove; commit.py commits all groups at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 
-from partfin_assets.iceberg.files import data_files, read_files
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, SOURCE_SEQ, base_columns
-from partfin_assets.jobs.upsert.plan import UpsertPlan
-from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
+from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, base_columns
+from partfin_assets.jobs.job import StagedFiles
+from partfin_assets.jobs.upsert.decode import ORDER_COLUMNS, newer_than_base
+from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, old_versions
+from partfin_assets.jobs.upsert.plan import GroupFiles, UpsertPlan
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import US_PER_HOUR
 
-_IN_BASE = "__in_base"
-_IN_CHANGE = "__in_change"
 _CHG = "__chg"
+GROUP = "__group"
+DEFAULT_MAX_DATA_FILES = 4  # per bucket, before the upsert folds the small ones
 
 
-@dataclass(frozen=True)
-class Merge:
-    rows: pa.Table | None  # the rewritten buckets (None: no change)
-    remove: list[DataFile]  # their files as read
-    inserted: int
-    updated: int
-    deleted: int
-    stale: int
-    hours: list[str]  # hours (ISO Z) whose visible rows changed
-    buckets_rewritten: int
-    read_buckets: set[int] = field(default_factory=set)  # buckets read: the job's conflict targets
+@dataclass
+class GroupMerge:
+    """What merging one key group produced (not committed)."""
+
+    group: int
+    add: list[DataFile] = field(default_factory=list)  # new versions and the replacing delete files
+    remove: list[DataFile] = field(default_factory=list)  # replaced delete files, folded data files
+    targets: list[str] = field(default_factory=list)  # partitions read or written: the job's conflict targets
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    stale: int = 0
+    hours_us: list[int] = field(default_factory=list)  # hours whose visible rows changed
+    files_scanned: int = 0
+    rows_folded: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.add or self.remove)
 
 
-def bucket_ids(plan: UpsertPlan, values: pl.Series) -> pl.Series:
-    assert plan.buckets is not None
-    field_ = plan.base.spec().fields[0]
-    source_type = plan.base.schema().find_field(field_.source_id).field_type
-    bucket = BucketTransform(plan.buckets).pyarrow_transform(source_type)
-    arrow = values.to_arrow()
-    if pa.types.is_large_string(arrow.type):
-        arrow = arrow.cast(pa.string())
-    return pl.Series("bucket", bucket(arrow)).cast(pl.Int64)
+def group_ids(table: Table, spec: TableSpec, groups: int, changes: pl.DataFrame) -> pl.Series:
+    """The key group of each change: bucket(N, key) of base's current spec, mod G."""
+    partition = table.spec()
+    if groups == 1 or not partition.fields:
+        return pl.Series(GROUP, [0] * changes.height, dtype=pl.Int64)
+    field_ = partition.fields[0]
+    assert isinstance(field_.transform, BucketTransform)
+    column = table.schema().find_field(field_.source_id)
+    values = changes.get_column(column.name).to_arrow()
+    if pa.types.is_large_string(values.type):
+        values = values.cast(pa.string())
+    buckets = field_.transform.pyarrow_transform(column.field_type)(values)
+    return (pl.Series(GROUP, buckets).cast(pl.Int64) % groups).alias(GROUP)
 
 
-def base_files(plan: UpsertPlan) -> list[tuple[DataFile, int | None]]:
-    """Live files of base at the plan's snapshot with their bucket (None: a file of another spec)."""
-    spec_id = plan.base.spec().spec_id
-    return [
-        (f, f.partition[0] if plan.buckets is not None and f.spec_id == spec_id else None)
-        for f in data_files(plan.base, plan.base.current_snapshot())
-    ]
+def split_by_group(plan: UpsertPlan, winners: pl.DataFrame) -> dict[int, pl.DataFrame]:
+    """The winning changes of each key group that has any."""
+    tagged = winners.with_columns(group_ids(plan.base, plan.spec, plan.groups, winners))
+    return {int(key[0]): frame.drop(GROUP) for key, frame in tagged.partition_by(GROUP, as_dict=True).items()}
 
 
-def merge_changes(plan: UpsertPlan, winners: pl.DataFrame) -> Merge:
-    """Join the winning changes with the base rows of the buckets they touch; last writer wins."""
-    spec = plan.spec
+def merge_group(
+    table: Table,
+    spec: TableSpec,
+    files: GroupFiles,
+    changes: pl.DataFrame,
+    staged: StagedFiles,
+    *,
+    max_data_files: int = DEFAULT_MAX_DATA_FILES,
+    on_read: Callable[[], None] | None = None,
+) -> GroupMerge:
+    """Merge the winning `changes` of one group into its files (as of the job's start snapshot)."""
     pk = list(spec.primary_key)
     columns = base_columns(spec)
-    first_pk = pk[0] if plan.buckets is not None else None
-    base_partition_field = plan.base.spec().fields[0] if plan.buckets is not None else None
-    if base_partition_field is not None:
-        first_pk = plan.base.schema().find_field(base_partition_field.source_id).name
+    result = GroupMerge(files.group, targets=list(files.paths))
+    data = [f for p in files.partitions for f in p.data]
+    deleted = positions_by_file(read_positions(table.io, [d for p in files.partitions for d in p.deletes]))
+    keys = changes.select(pk)
+    candidates = candidate_files(table, data, keys, _bucket_column(table, pk))
+    result.files_scanned = len(candidates)
+    old = old_versions(table, candidates, deleted, keys, [*pk, *ORDER_COLUMNS, DELETED])
+    if on_read is not None:
+        on_read()
 
-    files = base_files(plan)
-    if first_pk is not None:
-        winners = winners.with_columns(bucket_ids(plan, winners.get_column(first_pk)).alias("__bucket"))
-        touched = set(winners.get_column("__bucket").unique().to_list())
-        # A file of another spec (None) is always read: its rows may belong anywhere.
-        read = [(f, b) for f, b in files if b is None or b in touched]
-    else:
-        touched = set()
-        read = files
-
-    base_rows = read_files(plan.base, [f for f, _ in read])
-    base_frame = pl.from_arrow(base_rows) if base_rows.num_rows else None
-    if base_frame is None:
-        base_frame = pl.DataFrame(schema=pl.from_arrow(plan.base.schema().as_arrow().empty_table()).schema)
-    assert isinstance(base_frame, pl.DataFrame)
+    # Several live versions of one key (an outside append) all go; the newest decides.
+    newest = old.sort(list(ORDER_COLUMNS)).unique(subset=pk, keep="last")
     value_columns = [c for c in columns if c not in pk] + list(META_COLUMNS)
-
-    change_side = winners.select([*pk, *value_columns]).with_columns(pl.lit(True).alias(_IN_CHANGE))
-    base_side = base_frame.select([*pk, *value_columns]).with_columns(pl.lit(True).alias(_IN_BASE))
-    # Align key dtypes (e.g. base decimal vs decoded decimal) before joining.
-    change_side = change_side.cast({c: base_side.schema[c] for c in pk})
-    joined = base_side.join(change_side, on=pk, how="full", coalesce=True, suffix=_CHG)
-    in_base = pl.col(_IN_BASE).fill_null(False)
-    in_change = pl.col(_IN_CHANGE).fill_null(False)
-    newer = (pl.col(EVENT_TIME + _CHG) > pl.col(EVENT_TIME)) | (
-        (pl.col(EVENT_TIME + _CHG) == pl.col(EVENT_TIME)) & (pl.col(SOURCE_SEQ + _CHG) > pl.col(SOURCE_SEQ))
-    )
-    take = in_change & (~in_base | newer.fill_null(False))
+    change_side = changes.select([*pk, *value_columns]).rename({c: c + _CHG for c in value_columns})
+    change_side = change_side.cast({c: newest.schema[c] for c in pk}) if newest.height else change_side
+    joined = change_side.join(newest.select([*pk, *ORDER_COLUMNS, DELETED]), on=pk, how="left")
+    in_base = pl.col(EVENT_TIME).is_not_null()
     base_live = in_base & ~pl.col(DELETED).fill_null(True)
-    change_delete = pl.col(DELETED + _CHG).fill_null(False)
-    joined = joined.with_columns(
-        take.alias("__take"),
-        base_live.alias("__base_live"),
-        change_delete.alias("__change_delete"),
-        in_change.alias("__in_change"),
-    )
+    change_delete = pl.col(DELETED + _CHG)
+    take = ~in_base | newer_than_base(_CHG).fill_null(False)
+    joined = joined.with_columns(take.alias("__take"), base_live.alias("__base_live"), change_delete.alias("__change_delete"))
     counts = joined.select(
         (pl.col("__take") & ~pl.col("__change_delete") & ~pl.col("__base_live")).sum().alias("inserted"),
         (pl.col("__take") & ~pl.col("__change_delete") & pl.col("__base_live")).sum().alias("updated"),
         (pl.col("__take") & pl.col("__change_delete") & pl.col("__base_live")).sum().alias("deleted"),
-        (pl.col("__in_change") & ~pl.col("__take")).sum().alias("stale"),
-        pl.col("__take").sum().alias("taken"),
+        (~pl.col("__take")).sum().alias("stale"),
     ).row(0, named=True)
-    if counts["taken"] == 0:
-        return Merge(None, [], 0, 0, 0, counts["stale"], [], 0, touched)
+    result.inserted, result.updated, result.deleted, result.stale = (int(counts[k]) for k in ("inserted", "updated", "deleted", "stale"))
+    taken = joined.filter(pl.col("__take"))
+    if taken.height == 0:
+        return result
 
     # Hours whose visible rows changed: where rows appeared/changed (new) and where they left (old).
-    new_hours = joined.filter(pl.col("__take") & ~pl.col("__change_delete")).get_column(EVENT_TIME + _CHG)
-    old_hours = joined.filter(pl.col("__take") & pl.col("__base_live")).get_column(EVENT_TIME)
-    hour_us = pl.concat([new_hours, old_hours]).dt.epoch("us") // US_PER_HOUR * US_PER_HOUR
-    hours = [iso_z(int(h)) for h in hour_us.unique().sort().to_list()]
+    new_hours = taken.filter(~pl.col("__change_delete")).get_column(EVENT_TIME + _CHG)
+    old_hours = taken.filter(pl.col("__base_live")).get_column(EVENT_TIME)
+    hour_us = pl.concat([new_hours, old_hours.cast(new_hours.dtype)]).dt.epoch("us") // US_PER_HOUR * US_PER_HOUR
+    result.hours_us = sorted(int(h) for h in hour_us.unique().to_list())
 
-    merged = joined.select(
-        *pk,
-        *[pl.when(pl.col("__take")).then(pl.col(c + _CHG)).otherwise(pl.col(c)).alias(c) for c in value_columns],
-        pl.col("__take"),
-    )
-    remove = [f for f, _ in read]
-    if first_pk is not None:
-        merged = merged.with_columns(bucket_ids(plan, merged.get_column(first_pk)).alias("__bucket"))
-        rewrite = set(merged.filter(pl.col("__take")).get_column("__bucket").unique().to_list())
-        merged = merged.filter(pl.col("__bucket").is_in(list(rewrite)))
-        remove = [f for f, b in read if b is None or b in rewrite]
-        buckets_rewritten = len(rewrite)
-    else:
-        buckets_rewritten = 1
-    schema = plan.base.schema().as_arrow()
-    rows = merged.select(schema.names).to_arrow().cast(schema)
-    return Merge(
-        rows, remove, counts["inserted"], counts["updated"], counts["deleted"], counts["stale"], hours, buckets_rewritten, touched
-    )
+    schema = table.schema().as_arrow()
+    new_rows = taken.select([*pk, *[pl.col(c + _CHG).alias(c) for c in value_columns]]).sort(pk)
+    result.add += staged.write(new_rows.select(schema.names).to_arrow().cast(schema))
+    replaced = old.join(taken.select(pk), on=pk, how="semi").select(FILE, POS)
+    _rewrite_deletes(table, files, deleted, replaced, staged, result, max_data_files)
+    return result
+
+
+def _bucket_column(table: Table, pk: list[str]) -> str:
+    partition = table.spec()
+    if partition.fields:
+        return table.schema().find_field(partition.fields[0].source_id).name
+    return pk[0]
+
+
+def _rewrite_deletes(
+    table: Table,
+    files: GroupFiles,
+    deleted: dict[str, np.ndarray],
+    replaced: pl.DataFrame,
+    staged: StagedFiles,
+    result: GroupMerge,
+    max_data_files: int,
+) -> None:
+    """Per partition with new positions: fold small data files if due, and one delete file for what remains."""
+    new_positions = {path: np.unique(frame.get_column(POS).to_numpy()) for (path,), frame in replaced.partition_by(FILE, as_dict=True).items()}
+    for part in files.partitions:
+        mine = [f for f in part.data if f.file_path in new_positions]
+        if not mine:
+            continue
+        positions = {f.file_path: _union(deleted.get(f.file_path), new_positions.get(f.file_path)) for f in part.data}
+        live = list(part.data)
+        if len(part.data) > max_data_files:
+            folded = sorted(part.data, key=lambda f: f.file_size_in_bytes)[:-1]  # all but the largest
+            rows = read_files(table, folded, deletes=[])
+            keep = np.ones(rows.num_rows, dtype=bool)
+            offset = 0
+            for f in folded:
+                gone = positions.get(f.file_path)
+                if gone is not None and gone.size:
+                    keep[offset + gone] = False
+                offset += f.record_count
+            survivors = rows.filter(pa.array(keep))
+            result.add += staged.write(_sorted(survivors, table))
+            result.remove += folded
+            result.rows_folded += survivors.num_rows
+            live = [f for f in part.data if f not in folded]
+        remaining = [(path, positions[path]) for path in (f.file_path for f in live) if positions[path] is not None and positions[path].size]
+        result.remove += part.deletes
+        if remaining:
+            rows = pa.table(
+                {
+                    "file_path": pa.array([p for p, pos in remaining for _ in range(pos.size)], pa.string()),
+                    "pos": pa.array(np.concatenate([pos for _, pos in remaining]), pa.int64()),
+                }
+            )
+            result.add.append(staged.write_deletes(part.spec_id, part.partition, rows))
+
+
+def _union(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return np.union1d(a, b)
+
+
+def _sorted(rows: pa.Table, table: Table) -> pa.Table:
+    partition = table.spec()
+    if not partition.fields or rows.num_rows == 0:
+        return rows
+    key = table.schema().find_field(partition.fields[0].source_id).name
+    return rows.sort_by(key)

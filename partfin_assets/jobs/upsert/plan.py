@@ -1,29 +1,80 @@
-"""Upsert step 1, the plan: which CDC data files this run merges, read at one pinned snapshot of each table.
+"""Upsert step 1, the plan: which CDC data files this run merges, and base.<table>'s files by key group.
 
 base.<table>'s `partfin.source-snapshot-id` is where the last run stopped; cdc.<table>'s current
 snapshot is where this one stops. The CDC data files added in between (a manifest diff of the two
 snapshots) are the changes to merge. If the recorded snapshot is gone (expired despite the tag, or
 never merged) every live CDC file is re-merged, which is correct because the merge is idempotent.
+
+base.<table> is partitioned `bucket(N, key)`; its live data and delete files at the job's start
+snapshot are grouped by `bucket mod G`, G the smallest bucket count among the partition specs
+that still have live files (bucket counts only ever double, so every file belongs to exactly one
+group and a key's old versions can only be in its own group). Each group is merged on its own:
+in turn in one process, or as one step each of a Dagster run.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.transforms import BucketTransform
+from pyiceberg.typedef import Record
 
-from partfin_assets.iceberg.files import added_data_files, data_files
+from partfin_assets.iceberg.files import (
+    added_data_files,
+    data_files,
+    partition_key_of,
+    partition_path,
+    position_delete_files,
+)
 from partfin_assets.iceberg.history import recorded_watermark, snapshots_since, watermark_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PartitionFiles:
+    """The live files of one partition (bucket) of base.<table> at the start snapshot."""
+
+    spec_id: int
+    partition: Record
+    path: str  # as PyIceberg names it in summaries (`id_bucket=3`): the job's conflict target
+    data: list[DataFile]
+    deletes: list[DataFile]
+
+
+@dataclass(frozen=True)
+class GroupFiles:
+    """The partitions of one key group (`bucket mod G`)."""
+
+    group: int
+    partitions: list[PartitionFiles]
+
+    @property
+    def paths(self) -> list[str]:
+        return [p.path for p in self.partitions]
+
+
+@dataclass(frozen=True)
+class MergePosition:
+    """What the commit needs from the plan; picklable, so a fanned-out run hands it from its plan step to its commit step."""
+
+    spec: TableSpec
+    cdc_snapshot_id: int  # merged up to
+    previous_source_id: int | None
+    merged_ids: list[int]
+    full: bool
+    watermark: str | None
+    buckets: int | None
+    groups: int
 
 
 @dataclass(frozen=True)
@@ -37,12 +88,21 @@ class UpsertPlan:
     cdc_files: list[DataFile]  # the changes to merge
     watermark: str | None  # base watermark after this run: the merged CDC snapshot's, never moving back
     buckets: int | None  # bucket count of base's partition spec; None if unpartitioned
+    groups: int = 1  # G: changes and files are grouped by bucket mod G
+    layout: dict[int, GroupFiles] = field(default_factory=dict)  # base's live files by group (groups without files absent)
 
     @property
     def cdc_snapshot(self) -> Snapshot:
         snapshot = self.cdc.current_snapshot()
         assert snapshot is not None
         return snapshot
+
+    @property
+    def position(self) -> MergePosition:
+        return MergePosition(
+            self.spec, self.cdc_snapshot.snapshot_id, self.previous_source_id, self.merged_ids, self.full,
+            self.watermark, self.buckets, self.groups,
+        )
 
 
 def merged_source_snapshot_id(properties: dict[str, str]) -> int | None:
@@ -79,10 +139,8 @@ def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table) -> UpsertPlan | 
             )
         chain = snapshots_since(metadata, None, complete=False)
         files = data_files(cdc, current)
-    partition = base.spec()
-    buckets = None
-    if partition.fields and isinstance(partition.fields[0].transform, BucketTransform):
-        buckets = partition.fields[0].transform.num_buckets
+    buckets = bucket_count(base.spec())
+    groups, layout = group_files(base)
     watermarks = [w for w in (watermark_of(base.properties), recorded_watermark(metadata)) if w is not None]
     return UpsertPlan(
         spec=spec,
@@ -94,4 +152,37 @@ def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table) -> UpsertPlan | 
         cdc_files=files,
         watermark=iso_z(max(watermarks)) if watermarks else None,
         buckets=buckets,
+        groups=groups,
+        layout=layout,
     )
+
+
+def bucket_count(spec: PartitionSpec) -> int | None:
+    """N of a `bucket(N, key)` spec; None for any other spec."""
+    if len(spec.fields) == 1 and isinstance(spec.fields[0].transform, BucketTransform):
+        return spec.fields[0].transform.num_buckets
+    return None
+
+
+def group_files(base: Table) -> tuple[int, dict[int, GroupFiles]]:
+    """G and base's live files (data and deletes) by group, at the table's current (pinned) snapshot."""
+    metadata = base.metadata
+    snapshot = base.current_snapshot()
+    files = data_files(base, snapshot) + position_delete_files(base, snapshot)
+    specs = metadata.specs()
+    counts = {bucket_count(specs[partition_key_of(metadata, f)[0]]) for f in files} | {bucket_count(metadata.spec())}
+    if None in counts or any(c % min(counts) for c in counts):  # type: ignore[operator]
+        groups = 1  # unpartitioned, or buckets that do not nest: one group holds everything
+    else:
+        groups = min(counts)  # type: ignore[type-var]
+    partitions: dict[tuple, PartitionFiles] = {}
+    for data_file in files:
+        key = partition_key_of(metadata, data_file)
+        if key not in partitions:
+            partitions[key] = PartitionFiles(key[0], data_file.partition, partition_path(metadata, data_file), [], [])
+        (partitions[key].deletes if data_file.content else partitions[key].data).append(data_file)
+    layout: dict[int, GroupFiles] = {}
+    for (_, values), part in sorted(partitions.items(), key=lambda kv: (kv[0][0], kv[1].path)):
+        group = values[0] % groups if groups > 1 else 0
+        layout.setdefault(group, GroupFiles(group, [])).partitions.append(part)
+    return groups, layout

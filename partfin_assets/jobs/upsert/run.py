@@ -1,7 +1,8 @@
-"""One upsert run: plan, decode, merge, commit, as one UPDATE/DELETE job on base.<table>.
+"""One upsert run: plan, decode, merge each key group in turn, commit, as one UPDATE/DELETE job on base.<table>.
 
 A run that loses a race raises `CommitConflictError` and leaves nothing behind; running it
-again (the jobs layer's one retry policy, jobs/retry.py) recomputes from fresh data.
+again (the jobs layer's one retry policy, jobs/retry.py) recomputes from fresh data. The Dagster
+layer runs the same steps with one step per group (defs/platform/upsert_fanout.py).
 """
 
 from __future__ import annotations
@@ -10,19 +11,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyiceberg.catalog import Catalog
+from pyiceberg.table.metadata import TableMetadata
 
 from partfin_assets.iceberg.catalog import load_existing_table
-from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.files import partition_path, read_files
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
 from partfin_assets.jobs.upsert.decode import decode_changes, winners
-from partfin_assets.jobs.upsert.merge import merge_changes
-from partfin_assets.jobs.upsert.plan import merged_source_snapshot_id, plan_upsert
+from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group
+from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, merged_source_snapshot_id, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import iso_z
 from partfin_assets.testing.faults import crash_point
 
 CrashHook = Callable[[str], None]  # called with "after-read", "after-files", "after-commit" (tests)
@@ -42,9 +45,10 @@ class UpsertResult:
     changes_read: int = 0
     stale: int = 0  # keys whose newest change in this run is older than the base row (late, superseded): ignored
     full_remerge: bool = False
-    buckets_rewritten: int = 0
+    buckets_rewritten: int = 0  # buckets that got new files
     files_removed: int = 0
     files_added: int = 0
+    files_scanned: int = 0  # base data files whose key columns were read
     previous_cdc_snapshot_id: int | None = None
     attempts: int = 1  # commit attempts (a commit that landed meanwhile in other buckets costs one)
     quarantined: int = 0  # changes that do not fit the declaration: in base.<table>__rejected, not merged
@@ -79,7 +83,8 @@ class UpsertResult:
             f"base.{self.table}__rejected: {self.quarantined})",
             f"  rows: {self.inserted} inserted, {self.updated} updated, {self.deleted} deleted",
             f"  base snapshot: {self.base_snapshot_id} "
-            f"({self.buckets_rewritten} bucket(s) rewritten: {self.files_removed} file(s) out, {self.files_added} in)",
+            f"({self.buckets_rewritten} bucket(s) written: {self.files_added} file(s) in, {self.files_removed} out; "
+            f"key columns of {self.files_scanned} file(s) read)",
             f"  base watermark: {self.watermark or '-'}",
             f"  hours touched: {hours}",
         ]
@@ -93,6 +98,7 @@ def run_upsert(
     job_id: str | None = None,
     before_commit: Hook | None = None,
     crash_hook: CrashHook | None = None,
+    max_data_files: int = DEFAULT_MAX_DATA_FILES,
 ) -> UpsertResult:
     """One incremental merge of cdc.<name> into base.<name> (see the package docstring).
 
@@ -113,32 +119,46 @@ def run_upsert(
             )
         changes, unfit = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
         quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)
-        merge = merge_changes(plan, winners(spec, changes))
-        _crash("after-read", crash_hook)
-        new_files = job.write(merge.rows) if merge.rows is not None else []
+        by_group = split_by_group(plan, winners(spec, changes))
+        merges: list[GroupMerge] = []
+        for group, group_changes in sorted(by_group.items()):
+            files = plan.layout.get(group, GroupFiles(group, []))
+            merges.append(merge_group(
+                job.table, spec, files, group_changes, job.staged,
+                max_data_files=max_data_files, on_read=lambda: _crash("after-read", crash_hook),
+            ))
         _crash("after-files", crash_hook)
-        committed = commit_merge(job, plan, merge, new_files, quarantined=unfit.num_rows)
+        committed = commit_merge(job, plan.position, merges, by_group, quarantined=unfit.num_rows)
     _crash("after-commit", crash_hook)
     sync_merged_tag(catalog, name)
+    return result_of(plan.position, merges, job.table.metadata, committed.snapshot_id, changes.height + unfit.num_rows, committed.attempts,
+                     quarantined=unfit.num_rows)
+
+
+def result_of(
+    plan: MergePosition, merges: list[GroupMerge], metadata: TableMetadata, snapshot_id: int | None, changes_read: int, attempts: int,
+    *, quarantined: int = 0,
+) -> UpsertResult:
     return UpsertResult(
-        table=name,
+        table=plan.spec.name,
         cdc_snapshot_ids_merged=plan.merged_ids,
-        cdc_snapshot_id=plan.cdc_snapshot.snapshot_id,
-        base_snapshot_id=committed.snapshot_id,
-        inserted=merge.inserted,
-        updated=merge.updated,
-        deleted=merge.deleted,
+        cdc_snapshot_id=plan.cdc_snapshot_id,
+        base_snapshot_id=snapshot_id,
+        inserted=sum(m.inserted for m in merges),
+        updated=sum(m.updated for m in merges),
+        deleted=sum(m.deleted for m in merges),
         watermark=plan.watermark,
-        hours_touched=merge.hours,
-        changes_read=changes.height + unfit.num_rows,
-        quarantined=unfit.num_rows,
-        stale=merge.stale,
+        hours_touched=[iso_z(h) for h in sorted({h for m in merges for h in m.hours_us})],
+        changes_read=changes_read,
+        quarantined=quarantined,
+        stale=sum(m.stale for m in merges),
         full_remerge=plan.full,
-        buckets_rewritten=merge.buckets_rewritten,
-        files_removed=len(merge.remove),
-        files_added=len(new_files),
+        buckets_rewritten=len({partition_path(metadata, f) for m in merges for f in m.add}),
+        files_removed=sum(len(m.remove) for m in merges),
+        files_added=sum(len(m.add) for m in merges),
+        files_scanned=sum(m.files_scanned for m in merges),
         previous_cdc_snapshot_id=plan.previous_source_id,
-        attempts=committed.attempts,
+        attempts=attempts,
     )
 
 

@@ -1,0 +1,129 @@
+"""`upsert_<table>_fanout`: the upsert as one Dagster run that fans out, one step per key group, then one commit step.
+
+plan (decode the new CDC changes, group them and base's files by bucket mod G) -> one
+`merge_group` step per group (locate old versions, write new versions and delete files:
+jobs/upsert/merge.py) -> `commit` (one UPDATE/DELETE commit of every group's files: the same
+conflict matrix and exactly-once position as `partfin upsert`). The steps hand each other
+picklable values through the run's IO manager, and group steps write their files to the table's
+storage, so the same job runs on `multiprocess_executor` here (the default, `max_concurrent`
+processes) and on `k8s_job_executor` / `celery_executor` with an object-store warehouse and an
+object-store IO manager in production.
+
+A lost race (CommitConflictError) fails the commit step, which deletes every group's files; the
+whole run is retried from a fresh plan (`dagster/max_retries`, `dagster/retry_strategy:
+ALL_STEPS`), since re-committing the same groups could only conflict again.
+"""
+
+from dataclasses import dataclass
+
+import polars as pl
+from dagster import DynamicOut, DynamicOutput, OpExecutionContext, job, multiprocess_executor, op
+
+from partfin_assets.defs.resources import IcebergCatalogResource
+from partfin_assets.defs.tables import PartfinTable
+from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.jobs.job import Job, JobStart, StagedFiles
+from partfin_assets.jobs.upsert import sync_merged_tag
+from partfin_assets.jobs.upsert.commit import commit_merge
+from partfin_assets.jobs.upsert.decode import decode_changes, winners
+from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group
+from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, plan_upsert
+from partfin_assets.jobs.upsert.quarantine import quarantine_changes
+from partfin_assets.jobs.upsert.run import result_of
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.tablespec import TableSpec
+
+
+# Step processes fork from a server that has imported partfin and Dagster once, instead of each
+# starting a fresh interpreter (seconds per step on a busy machine).
+FORKSERVER = {"forkserver": {"preload_modules": ["partfin_assets.defs.platform.upsert_fanout"]}}
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """One group's share of an upsert run: its files at the start snapshot and its winning changes."""
+
+    start: JobStart
+    plan: MergePosition
+    files: GroupFiles
+    changes: pl.DataFrame
+    changes_read: int
+    quarantined: int
+
+
+def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
+    name = table.name
+
+    @op(name=f"plan_upsert_{name}", out=DynamicOut(GroupTask), tags={"kind": "iceberg"})
+    def plan(context: OpExecutionContext, catalog: IcebergCatalogResource):
+        """Plan the run at one snapshot of each table, decode the changes, one output per key group."""
+        iceberg = catalog.load()
+        cdc = load_existing_table(iceberg, f"cdc.{name}", "ingest into it first (partfin ingest)")
+        spec = TableSpec.from_properties(name, cdc.properties)
+        ensure_base_table(iceberg, spec)
+        job_ = Job.start(iceberg, spec.base_identifier, JobKind.UPDATE_DELETE, job_id=context.run_id)
+        upsert_plan = plan_upsert(iceberg, spec, job_.table)
+        if upsert_plan is None:
+            sync_merged_tag(iceberg, name)
+            context.log.info(f"base.{name} is up to date with cdc.{name}: nothing to merge")
+            return
+        changes, unfit = decode_changes(spec, read_files(upsert_plan.cdc, upsert_plan.cdc_files))
+        quarantine_changes(iceberg, spec, unfit, upsert_plan.cdc_snapshot.snapshot_id)
+        by_group = split_by_group(upsert_plan, winners(spec, changes))
+        context.log.info(f"{changes.height} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
+        for group, group_changes in sorted(by_group.items()):
+            files = upsert_plan.layout.get(group, GroupFiles(group, []))
+            task = GroupTask(job_.started, upsert_plan.position, files, group_changes, changes.height + unfit.num_rows, unfit.num_rows)
+            yield DynamicOutput(task, mapping_key=f"group_{group}")
+
+    @op(name=f"merge_group_{name}", tags={"kind": "iceberg"})
+    def merge(context: OpExecutionContext, catalog: IcebergCatalogResource, task: GroupTask) -> tuple[GroupTask, GroupMerge]:
+        """Locate, decide and write one group's files (not committed: the commit step commits or deletes them)."""
+        iceberg = catalog.load()
+        base = iceberg.load_table(task.plan.spec.base_identifier)
+        staged = StagedFiles(base)
+        try:
+            result = merge_group(base, task.plan.spec, task.files, task.changes, staged)
+        except BaseException:
+            staged.discard()
+            raise
+        context.log.info(
+            f"group {task.files.group}: {result.inserted} inserted, {result.updated} updated, {result.deleted} deleted, "
+            f"{result.stale} stale; key columns of {result.files_scanned} file(s) read; +{len(result.add)} -{len(result.remove)} files"
+        )
+        return task, result
+
+    @op(name=f"commit_upsert_{name}", tags={"kind": "iceberg"})
+    def commit(context: OpExecutionContext, catalog: IcebergCatalogResource, groups: list[tuple[GroupTask, GroupMerge]]) -> None:
+        """One commit for every group; on a conflict every group's files are deleted and the run fails (retried whole)."""
+        if not groups:
+            context.log.info("no group had changes: nothing to commit")
+            return
+        iceberg = catalog.load()
+        first = groups[0][0]
+        job_ = Job.resume(iceberg, first.plan.spec.base_identifier, JobKind.UPDATE_DELETE, first.start)
+        merges = [m for _, m in groups]
+        with job_:
+            job_.adopt(f for m in merges for f in m.add)
+            committed = commit_merge(job_, first.plan, merges, [t.files.group for t, _ in groups], quarantined=first.quarantined)
+        sync_merged_tag(iceberg, name)
+        result = result_of(
+            first.plan, merges, job_.table.metadata, committed.snapshot_id, first.changes_read, committed.attempts,
+            quarantined=first.quarantined,
+        )
+        context.log.info(result.describe())
+
+    @job(
+        name=f"upsert_{name}_fanout",
+        executor_def=multiprocess_executor,
+        config={"execution": {"config": {"max_concurrent": max_concurrent, "start_method": FORKSERVER}}},
+        description=f"Upsert of cdc.{name} into base.{name}, one step per key group, then one commit: the scale-out "
+        "form of the sync job's upsert (swap the executor for k8s_job_executor / celery_executor in production).",
+        tags={"partfin/table": name, "dagster/max_retries": "3", "dagster/retry_strategy": "ALL_STEPS"},
+    )
+    def upsert_job():
+        commit(plan().map(merge).collect())
+
+    return upsert_job
