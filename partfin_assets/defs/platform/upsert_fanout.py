@@ -17,7 +17,7 @@ ALL_STEPS`), since re-committing the same groups could only conflict again.
 from dataclasses import dataclass
 
 import polars as pl
-from dagster import DynamicOut, DynamicOutput, OpExecutionContext, job, multiprocess_executor, op
+from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, job, multiprocess_executor, op
 
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
@@ -38,7 +38,12 @@ from partfin_assets.model.tablespec import TableSpec
 
 # Step processes fork from a server that has imported partfin and Dagster once, instead of each
 # starting a fresh interpreter (seconds per step on a busy machine).
+DEFAULT_MAX_GROUPS = 8  # a few steps per process: balanced, each worth its start-up
 FORKSERVER = {"forkserver": {"preload_modules": ["partfin_assets.defs.platform.upsert_fanout"]}}
+
+
+class FanoutConfig(Config):
+    max_groups: int = DEFAULT_MAX_GROUPS  # merge steps per run at most (a group holds bucket count / groups buckets)
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,14 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
     name = table.name
 
     @op(name=f"plan_upsert_{name}", out=DynamicOut(GroupTask), tags={"kind": "iceberg"})
-    def plan(context: OpExecutionContext, catalog: IcebergCatalogResource):
+    def plan(context: OpExecutionContext, config: FanoutConfig, catalog: IcebergCatalogResource):
         """Plan the run at one snapshot of each table, decode the changes, one output per key group."""
         iceberg = catalog.load()
         cdc = load_existing_table(iceberg, f"cdc.{name}", "ingest into it first (partfin ingest)")
         spec = TableSpec.from_properties(name, cdc.properties)
         ensure_base_table(iceberg, spec)
         job_ = Job.start(iceberg, spec.base_identifier, JobKind.UPDATE_DELETE, job_id=context.run_id)
-        upsert_plan = plan_upsert(iceberg, spec, job_.table)
+        upsert_plan = plan_upsert(iceberg, spec, job_.table, max_groups=config.max_groups)
         if upsert_plan is None:
             sync_merged_tag(iceberg, name)
             context.log.info(f"base.{name} is up to date with cdc.{name}: nothing to merge")

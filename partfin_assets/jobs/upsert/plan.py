@@ -111,7 +111,7 @@ def merged_source_snapshot_id(properties: dict[str, str]) -> int | None:
     return int(value) if value else None
 
 
-def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table) -> UpsertPlan | None:
+def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table, *, max_groups: int | None = None) -> UpsertPlan | None:
     """The plan of one run against `base` (as read); None when there is no new CDC snapshot."""
     cdc = catalog.load_table(spec.cdc_identifier)
     current = cdc.current_snapshot()
@@ -140,7 +140,7 @@ def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table) -> UpsertPlan | 
         chain = snapshots_since(metadata, None, complete=False)
         files = data_files(cdc, current)
     buckets = bucket_count(base.spec())
-    groups, layout = group_files(base)
+    groups, layout = group_files(base, max_groups)
     watermarks = [w for w in (watermark_of(base.properties), recorded_watermark(metadata)) if w is not None]
     return UpsertPlan(
         spec=spec,
@@ -164,8 +164,12 @@ def bucket_count(spec: PartitionSpec) -> int | None:
     return None
 
 
-def group_files(base: Table) -> tuple[int, dict[int, GroupFiles]]:
-    """G and base's live files (data and deletes) by group, at the table's current (pinned) snapshot."""
+def group_files(base: Table, max_groups: int | None = None) -> tuple[int, dict[int, GroupFiles]]:
+    """G and base's live files (data and deletes) by group, at the table's current (pinned) snapshot.
+
+    `max_groups` caps G at its largest divisor not above the cap (a group then holds several buckets):
+    the number of steps of a fanned-out run, each worth its start-up cost.
+    """
     metadata = base.metadata
     snapshot = base.current_snapshot()
     files = data_files(base, snapshot) + position_delete_files(base, snapshot)
@@ -175,6 +179,8 @@ def group_files(base: Table) -> tuple[int, dict[int, GroupFiles]]:
         groups = 1  # unpartitioned, or buckets that do not nest: one group holds everything
     else:
         groups = min(counts)  # type: ignore[type-var]
+    if max_groups is not None and groups > max_groups:
+        groups = max(d for d in range(1, max_groups + 1) if groups % d == 0)
     partitions: dict[tuple, PartitionFiles] = {}
     for data_file in files:
         key = partition_key_of(metadata, data_file)
