@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_upsert import HOUR_US, SPEC, T0_US, change_records  # noqa: E402
+from bench_upsert_scale import load_table  # noqa: E402
 
 TABLES = ("fa", "fb")
 
@@ -54,21 +55,8 @@ def _job(name: str):
 
 
 def setup(catalog, rows: int) -> None:
-    from partfin_assets.iceberg.expiry import Retention
-    from partfin_assets.iceberg.tables import ensure_base_table
-    from partfin_assets.ingest.writer import CdcWriter
-    from partfin_assets.jobs.upsert import run_upsert
-    from partfin_assets.model.records import ChangeBatch
-
     for name in TABLES:
-        spec = dataclasses.replace(SPEC, name=name)
-        ensure_base_table(catalog, spec)
-        writer = CdcWriter(catalog, spec, retention=Retention(keep_last=5))
-        ids = np.arange(1, rows + 1)
-        for i, part in enumerate(np.array_split(ids, max(1, rows // 500_000))):
-            writer.write_checkpoint(ChangeBatch(change_records(part, "c", int(part[0]), T0_US, seed=i), offset=f"load-{i}"))
-        writer.close()
-        run_upsert(catalog, name)
+        load_table(catalog, name, rows)
 
 
 def commit_changes(catalog, rows: int, changes: int, round_: int) -> None:

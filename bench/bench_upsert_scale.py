@@ -54,27 +54,33 @@ def spec_named(name: str):
 # --------------------------------------------------------------------------- phases (each in its own process)
 
 
-def phase_setup(home: Path, args) -> dict:
-    from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catalog
+def load_table(catalog, name: str, rows: int) -> None:
+    """base.<name> with ids 1..rows, through the CDC writer and one upsert."""
     from partfin_assets.iceberg.expiry import Retention
     from partfin_assets.iceberg.tables import ensure_base_table
     from partfin_assets.ingest.writer import CdcWriter
     from partfin_assets.jobs.upsert import run_upsert
     from partfin_assets.model.records import ChangeBatch
 
+    spec = spec_named(name)
+    ensure_base_table(catalog, spec)
+    writer = CdcWriter(catalog, spec, retention=Retention(keep_last=5))
+    ids = np.arange(1, rows + 1)
+    for i, part in enumerate(np.array_split(ids, max(1, rows // 500_000))):
+        writer.write_checkpoint(ChangeBatch(change_records(part, "c", int(part[0]), T0_US, seed=i), offset=f"load-{i}"))
+    writer.close()
+    run_upsert(catalog, name)
+
+
+def phase_setup(home: Path, args) -> dict:
+    from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catalog
+
     catalog = load_partfin_catalog(home)
     ensure_namespaces(catalog, "copy")
     out = {}
     for name, rows in (("small", args.small), ("large", args.large)):
         started = time.perf_counter()
-        spec = spec_named(name)
-        ensure_base_table(catalog, spec)
-        writer = CdcWriter(catalog, spec, retention=Retention(keep_last=5))
-        ids = np.arange(1, rows + 1)
-        for i, part in enumerate(np.array_split(ids, max(1, rows // 500_000))):
-            writer.write_checkpoint(ChangeBatch(change_records(part, "c", int(part[0]), T0_US, seed=i), offset=f"load-{i}"))
-        writer.close()
-        run_upsert(catalog, name)
+        load_table(catalog, name, rows)
         out[name] = round(time.perf_counter() - started, 1)
     return out
 

@@ -39,10 +39,6 @@ DELETE_SCHEMA = pa.schema(
 )
 
 
-def is_delete_file(data_file: DataFile) -> bool:
-    return data_file.content != DataFileContent.DATA
-
-
 def write_position_deletes(table: Table, spec_id: int, partition: Record, positions: pa.Table) -> DataFile:
     """Write (file_path, pos) rows as one position-delete file of `partition` (not committed)."""
     rows = positions.select(["file_path", "pos"]).cast(DELETE_SCHEMA).sort_by([("file_path", "ascending"), ("pos", "ascending")])
