@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance, Definitions, execute_job, reconstructable
 
-from partfin_assets.defs.platform.upsert_fanout import FORKSERVER, build_upsert_job
+from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
@@ -95,7 +95,9 @@ def test_pipeline_end_to_end_on_object_storage(tmp_path: Path, lake: Path, s3: S
 
     (tmp_path / "dagster").mkdir()
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
-        config = {"execution": {"config": {"max_concurrent": 2, "start_method": FORKSERVER}}}
+        # spawned step processes: they take this test's environment (a forkserver started by an earlier
+        # test in this process would hand its children that test's environment)
+        config = {"execution": {"config": {"max_concurrent": 2, "start_method": {"spawn": {}}}}}
         with execute_job(reconstructable(fanout_job), instance=instance, run_config=config) as result:
             assert result.success
             merge_steps = [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS" and e.step_key.startswith("merge_group_")]

@@ -38,8 +38,12 @@ def instance(tmp_path: Path, monkeypatch):
         yield instance
 
 
-def run_fanout(instance, processes: int = 2):
-    config = {"execution": {"config": {"max_concurrent": processes, "start_method": FORKSERVER}}}
+def run_fanout(instance, home: Path, processes: int = 2):
+    # the catalog travels in the run config: forked step processes keep the forkserver's environment
+    config = {
+        "execution": {"config": {"max_concurrent": processes, "start_method": FORKSERVER}},
+        "resources": {"catalog": {"config": {"home": str(home)}}},
+    }
     with execute_job(reconstructable(fanout_job), instance=instance, run_config=config, raise_on_error=False) as result:
         return result.success, [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS"]
 
@@ -55,7 +59,7 @@ def test_fanned_out_upsert_equals_the_in_process_one(tmp_path: Path, instance):
     h.write(more)
     before = len(h.base().metadata.snapshots)
 
-    ok, steps = run_fanout(instance)
+    ok, steps = run_fanout(instance, tmp_path / "partfin")
     assert ok
     merged = [e for e in steps if e.step_key.startswith("merge_group_orders")]
     assert len(merged) == 4, "one step per key group"
@@ -66,7 +70,7 @@ def test_fanned_out_upsert_equals_the_in_process_one(tmp_path: Path, instance):
     assert base.properties[K.PROP_SOURCE_SNAPSHOT_ID] == str(h.cdc().current_snapshot().snapshot_id)
     assert h.live() == reference(changes + more)
 
-    ok, steps = run_fanout(instance)  # nothing new: the plan step yields no group, nothing commits
+    ok, steps = run_fanout(instance, tmp_path / "partfin")  # nothing new: the plan step yields no group, nothing commits
     assert ok and len(h.base().metadata.snapshots) == before + 1
 
 

@@ -37,7 +37,8 @@ from partfin_assets.model.tablespec import TableSpec
 
 
 # Step processes fork from a server that has imported partfin and Dagster once, instead of each
-# starting a fresh interpreter (seconds per step on a busy machine).
+# starting a fresh interpreter (seconds per step on a busy machine). They keep the environment the
+# server started with: one per run worker, so one per run under Dagster; `{"spawn": {}}` otherwise.
 DEFAULT_MAX_GROUPS = 8  # a few steps per process: balanced, each worth its start-up
 FORKSERVER = {"forkserver": {"preload_modules": ["partfin_assets.defs.platform.upsert_fanout"]}}
 
