@@ -30,9 +30,10 @@ def ingest(catalog, checkpoints: int, hours: int = 3, per: int = 40, subtasks: i
 
 
 def test_compacts_finalized_hours_only_and_keeps_every_row(catalog):
-    ingest(catalog, 5)
-    # one more checkpoint far ahead moves the watermark past hours 0 and 1
-    writer = CdcWriter(catalog, ORDERS, writer_id="ahead")
+    writer = ingest(catalog, 5)
+    # three more checkpoints of the same writer, far ahead, move the watermark past hours 0 and 1
+    # (another writer id could not: it is a progress stream of its own, and the watermark is the
+    # minimum over the active streams, so the first writer's 00:00 would hold it)
     for i in range(3):
         writer.write_checkpoint(change_batch(T0_US + 2 * HOUR_US + 30 * MINUTE_US + np.arange(3) * MINUTE_US, offset=f"a{i}", seq_start=90_000 + i * 10))
     table = catalog.load_table("cdc.orders")
