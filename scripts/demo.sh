@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
 # Set everything up and open the demo: Dagster UI on http://127.0.0.1:3000 with the synthetic
-# source replaying the last 24 hours and then streaming. Stop with Ctrl-C.
+# source replaying the last 24 hours and then streaming. Stop with Ctrl-C, or SIGTERM to its PID
+# (however it was started: from a terminal, nohup, a CI script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 scripts/setup.sh
-export PARTFIN_HOME=${PARTFIN_HOME:-$PWD/.partfin}
-export DAGSTER_HOME=${DAGSTER_HOME:-$PARTFIN_HOME/dagster}
-mkdir -p "$DAGSTER_HOME"
+export PARTFIN_HOME=$(realpath -m "${PARTFIN_HOME:-$REPO/.partfin}")
+export DAGSTER_HOME=$(realpath -m "${DAGSTER_HOME:-$PARTFIN_HOME/dagster}")
+mkdir -p "$PARTFIN_HOME" "$DAGSTER_HOME"
 # PARTFIN_DAGSTER_CONFIG=dagster.postgres.yaml keeps the instance in PostgreSQL (README: Production)
 cp "${PARTFIN_DAGSTER_CONFIG:-dagster.yaml}" "$DAGSTER_HOME/dagster.yaml"
-# hourly partitions from two days ago, so the replayed 24 hours fill the UI's partition bar
-export PARTFIN_PARTITIONS_START=${PARTFIN_PARTITIONS_START:-$(date -u -d '2 days ago' +%Y-%m-%d-00:00)}
-# job control: dagster dev maps SIGTERM to its SIGINT handler only in its own process group
-set -m
-exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PARTFIN_PORT:-3000}"
+# Hourly partitions start where the demo's data starts: the first hour the source replays (24 hours
+# before the current hour), kept in PARTFIN_HOME so a restart of the same demo shows the same hours.
+if [ -z "${PARTFIN_PARTITIONS_START:-}" ]; then
+  start_file=$PARTFIN_HOME/partitions_start
+  now=$(date -u +%s)
+  [ -s "$start_file" ] || date -u -d "@$(( now - now % 3600 - 24 * 3600 ))" +%Y-%m-%d-%H:00 > "$start_file"
+  PARTFIN_PARTITIONS_START=$(cat "$start_file")
+fi
+export PARTFIN_PARTITIONS_START
+# Dagster reads its instance from DAGSTER_HOME and warns about the repo's dagster.yaml template when
+# started here: run it from DAGSTER_HOME (the workspace and PARTFIN_HOME are absolute paths).
+cd "$DAGSTER_HOME"
+# A job started in the background by a non-interactive shell (nohup, CI) inherits SIGINT ignored, and
+# dagster dev copies SIGINT's handler onto SIGTERM: it would ignore both. bash cannot reset a signal
+# ignored on entry; env does, so dagster dev installs its own SIGINT/SIGTERM handling (clean shutdown).
+exec env --default-signal=INT,TERM "$REPO/.venv/bin/dagster" dev -w "$REPO/workspace.yaml" -h 127.0.0.1 -p "${PARTFIN_PORT:-3000}"

@@ -76,7 +76,13 @@ def _log_reports(context: OpExecutionContext, table: PartfinTable, asset_key, re
             context.log.warning(f"{asset_key.to_user_string()}: hour {iso_z(report.hour_us)} is outside the partitions; not reported")
             continue
         context.log_event(
-            AssetMaterialization(asset_key=asset_key, partition=report.partition_key, metadata=dagster_metadata(report.metadata()))
+            AssetMaterialization(
+                asset_key=asset_key,
+                partition=report.partition_key,
+                description=f"{asset_key.to_user_string()} partition {report.partition_key}: {report.stats.records} record(s) "
+                f"by snapshot {report.snapshot_id}, finalized: {report.finalized}",
+                metadata=dagster_metadata(report.metadata()),
+            )
         )
         logged += 1
     return logged
