@@ -33,8 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ingest = commands.add_parser("ingest", help="stream a CDC source into cdc.<table>, one checkpoint per batch")
     ingest.add_argument("--table", required=True, help="table name: writes cdc.<table>")
-    ingest.add_argument("--source", required=True, help="synthetic[:opt=value,...] | debezium:PATH | postgres:DSN[#schema.table]")
-    ingest.add_argument("--primary-key", help="primary-key column(s), comma separated (debezium)")
+    ingest.add_argument(
+        "--source", required=True,
+        help="synthetic[:opt=value,...] | debezium:PATH | postgres:DSN[#schema.table] | kafka:BOOTSTRAP#TOPIC[,group=G,...]",
+    )
+    ingest.add_argument("--primary-key", help="primary-key column(s), comma separated (debezium, kafka)")
     ingest.add_argument("--checkpoint-records", type=int, default=10_000, help="records per checkpoint (default 10000)")
     ingest.add_argument("--subtasks", type=int, default=1, help="parallel writer subtasks (default 1)")
     ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
@@ -82,6 +85,9 @@ def _ingest(args: argparse.Namespace) -> int:
     finally:
         writer.close()
         progress.close()
+        close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
+        if close is not None:
+            close()
     _record_discovered_columns(catalog, spec, source)
     return 0
 

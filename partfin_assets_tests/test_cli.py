@@ -58,8 +58,8 @@ def test_unknown_table_and_bad_source_name_the_problem(tmp_path):
     result = partfin(tmp_path, "upsert", "--table", "nope")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "cdc.nope" in result.stderr
-    result = partfin(tmp_path, "ingest", "--table", "orders", "--source", "kafka:topic")
-    assert result.returncode == 2 and "unknown source kind 'kafka'" in result.stderr
+    result = partfin(tmp_path, "ingest", "--table", "orders", "--source", "kinesis:topic")
+    assert result.returncode == 2 and "unknown source kind 'kinesis'" in result.stderr
 
 
 def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):

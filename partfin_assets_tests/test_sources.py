@@ -460,7 +460,10 @@ def test_make_source_debezium_with_primary_key_text(tmp_path):
 @pytest.mark.parametrize(
     ("spec_text", "message"),
     [
-        ("kafka:orders", "unknown source kind 'kafka'"),
+        ("kinesis:orders", "unknown source kind 'kinesis'"),
+        ("kafka:orders", "expected kafka:BOOTSTRAP#TOPIC"),
+        ("kafka:broker:9092#orders,sasl.password=hunter2", "in the environment as PARTFIN_KAFKA_SASL_PASSWORD"),
+        ("kafka:broker:9092#orders,enable.auto.commit=true", "set by partfin"),
         ("synthetic:speed=3", "unknown synthetic option 'speed'"),
         ("synthetic:seed", "option 'seed' is not name=value"),
         ("synthetic:rate=fast", "option rate"),

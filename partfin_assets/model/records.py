@@ -72,6 +72,9 @@ class ChangeBatch:
     offset: str  # opaque position after this batch; passed back to resume
     rejected: pa.Table = field(default_factory=REJECTED_RECORD_SCHEMA.empty_table)
     heartbeat: datetime | None = None  # the source is complete up to this time
+    # the source partition this batch came from (Kafka: `<topic>-<partition>`): the checkpoint belongs to
+    # that partition's progress stream (iceberg/streams.py); None: the writer's own stream
+    stream: str | None = None
 
 
 class CdcSource(IdentifiedSource, Protocol):

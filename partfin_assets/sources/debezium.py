@@ -247,17 +247,22 @@ class DebeziumFileSource:
                 yield line
 
     def _records(self, changes: list[tuple[int, DecodedChange]]) -> pa.Table:
-        key_columns = {name: [change.key_values[name] for _, change in changes] for name in self.primary_key}
-        return pa.table(
-            {
-                "key": key_json_column(key_columns) if changes else pa.array([], pa.string()),
-                "op": pa.array([change.op for _, change in changes], pa.string()),
-                "event_time": pa.array([change.event_time_us for _, change in changes], pa.int64()).cast(UTC_US),
-                "source_seq": pa.array([seq for seq, _ in changes], pa.int64()),
-                "payload": pa.array([change.payload for _, change in changes], pa.string()),
-            },
-            schema=CDC_RECORD_SCHEMA,
-        )
+        return change_records(self.primary_key, changes)
+
+
+def change_records(primary_key: tuple[str, ...], changes: list[tuple[int, DecodedChange]]) -> pa.Table:
+    """CDC records of decoded changes, each with its source_seq (a file's line number, a Kafka offset)."""
+    key_columns = {name: [change.key_values[name] for _, change in changes] for name in primary_key}
+    return pa.table(
+        {
+            "key": key_json_column(key_columns) if changes else pa.array([], pa.string()),
+            "op": pa.array([change.op for _, change in changes], pa.string()),
+            "event_time": pa.array([change.event_time_us for _, change in changes], pa.int64()).cast(UTC_US),
+            "source_seq": pa.array([seq for seq, _ in changes], pa.int64()),
+            "payload": pa.array([change.payload for _, change in changes], pa.string()),
+        },
+        schema=CDC_RECORD_SCHEMA,
+    )
 
 
 def require_file(path: str | Path) -> Path:

@@ -6,6 +6,9 @@ logical decoding (sources/postgres.py). DSN is a libpq connection string or URI
 defaults to `public.<--table>`; a `#` fragment names another one and options:
 `slot=NAME` (default partfin_<table>), `heartbeat_interval=10s`, `heartbeat_settle=5s`,
 `poll_interval=0.5s`. Example: `postgres:postgresql://cdc@db/shop#sales.orders,slot=orders_cdc`.
+
+`kafka:BOOTSTRAP#TOPIC[,group=NAME,<librdkafka property>=value,...]` reads Debezium JSON change
+events from a Kafka topic (sources/kafka.py: options, secrets from the environment, exactly once).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from partfin_assets.model.source_identity import ReplayNotPossible, SourceIdenti
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_duration, parse_iso
 from partfin_assets.sources.debezium import DebeziumFileSource, debezium_table_spec
+from partfin_assets.sources.kafka import KafkaSource, parse_kafka_spec
 from partfin_assets.sources.postgres import PostgresSource, parse_postgres_spec
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 
@@ -56,10 +60,10 @@ _SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
 def source_kind(spec_text: str) -> str:
     """The kind named by a source spec; an unknown kind is an error naming the known ones."""
     kind = spec_text.strip().partition(":")[0]
-    if kind not in ("synthetic", "debezium", "postgres"):
+    if kind not in ("synthetic", "debezium", "postgres", "kafka"):
         raise ValueError(
-            f"unknown source kind {kind!r} in {spec_text!r}; expected 'synthetic[:option=value,...]', 'debezium:PATH'"
-            " or 'postgres:DSN[#schema.table]'"
+            f"unknown source kind {kind!r}; expected 'synthetic[:option=value,...]', 'debezium:PATH',"
+            " 'postgres:DSN[#schema.table]' or 'kafka:BOOTSTRAP#TOPIC[,option=value,...]'"
         )
     return kind
 
@@ -76,6 +80,8 @@ def make_source(
         return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
     if kind == "postgres":
         return _postgres_source(argument, spec_text, table.name, key_columns or table.primary_key, options)
+    if kind == "kafka":
+        return KafkaSource(parse_kafka_spec(argument, spec_text), table, key_columns, **options)
     return DebeziumFileSource(_debezium_path(argument, spec_text), primary_key=key_columns, spec=table, **options)
 
 
@@ -97,6 +103,11 @@ def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[
     if kind == "postgres":
         return postgres_table_spec(spec_text, table_name, primary_key)
     key_columns = _key_columns(primary_key)
+    if kind == "kafka":  # column types come from the messages' schema blocks as they are read
+        parse_kafka_spec(spec_text.strip().partition(":")[2], spec_text)
+        if not key_columns:
+            raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
+        return TableSpec(table_name, key_columns)
     if not key_columns:
         raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
     return debezium_table_spec(_debezium_path(spec_text.strip().partition(":")[2], spec_text), table_name, key_columns)

@@ -102,6 +102,7 @@ def build_sync_job(table: PartfinTable):
             subtasks=cdc_source.subtasks,
             heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
         )
+        source = None
         try:
             source = cdc_source.open(table)
             checkpoints = 0
@@ -123,6 +124,9 @@ def build_sync_job(table: PartfinTable):
                 )
         finally:
             writer.close()
+            close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
+            if close is not None:
+                close()
         watermark = watermark_of(writer.table.properties)
         now_us = to_us(now_utc())
         context.log_event(

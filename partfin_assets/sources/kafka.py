@@ -1,0 +1,462 @@
+"""Debezium change events from a Kafka topic, read with confluent-kafka (librdkafka).
+
+Spec: `kafka:BOOTSTRAP#TOPIC[,option=value,...]`, e.g.
+`kafka:broker1:9092,broker2:9092#dbserver1.public.orders,group=partfin-orders,security.protocol=SASL_SSL`.
+BOOTSTRAP is librdkafka's `bootstrap.servers`; after `#` come the topic and options:
+
+- `group=NAME`: the consumer group (default `partfin-<table>`). It only spreads the topic's
+  partitions over the processes that read it (and tells lag monitors how far they are): where
+  reading resumes is never taken from the group but from the checkpoint (below).
+- `poll_timeout=1s`, `idle_batch_every=10s`: how long one fetch waits; how often a following
+  source with nothing new yields an empty batch so its caller regains control.
+- any name with a dot is a librdkafka consumer property, passed through as it is
+  (`security.protocol=SASL_SSL`, `sasl.mechanism=SCRAM-SHA-512`, `sasl.username=cdc`,
+  `ssl.ca.location=/etc/ssl/kafka-ca.pem`, `session.timeout.ms=10000`, ...).
+
+Secrets never go in the spec (it is recorded in every checkpoint and shown in the UI): a property
+whose name says password, secret or key material (`sasl.password`, `ssl.key.password`,
+`sasl.oauthbearer.client.secret`, `ssl.key.pem`, ...) is refused there and comes from the
+environment instead: `PARTFIN_KAFKA_<NAME>` with dots as `_` (`PARTFIN_KAFKA_SASL_PASSWORD` is
+`sasl.password`; `__` stands for a literal `_`). Any property may come that way; the environment
+wins. Values from the environment are redacted in every error and log line.
+
+Exactly once without trusting the group: the offset a checkpoint commits is the next offset of
+every partition read so far (compact JSON `{"topic": T, "partitions": {"0": 1200, "1": 980}}`),
+recorded in the same Iceberg commit as the records (like Flink's Iceberg sink); a restarted or
+rebalanced reader seeks each partition it is assigned to the offset the table recorded (the log
+start for a partition never read). The group's offsets are committed after each Iceberg commit,
+only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress; partfin never reads
+them. Several processes may read one topic in one group under one writer id: the writer's
+compare-and-set on its committed position (ingest/writer.py) lets exactly one of two commits
+from one position land, and the loser reads its partitions again from what the winner recorded.
+
+One batch holds the messages of one partition (`ChangeBatch.stream` = `<topic>-<partition>`),
+so every checkpoint belongs to one partition's progress stream (iceberg/streams.py): the
+watermark is the minimum over partitions, and a partition that stops producing holds it back
+until it catches up or is idle by the streams' rule. Message values are decoded by the one
+Debezium decoder (sources/debezium_json.py), with or without the schema envelope; `source_seq`
+is the message's offset in its partition. Tombstones (null values) carry no change and are
+consumed; Debezium heartbeat messages become heartbeat batches of their partition. A message
+that is not a change event (not JSON, no `ts_ms`, an unknown `op`, ...) goes to
+`cdc.<table>__rejected` with its topic, partition and offset, and reading goes on.
+
+With follow=False the source reads every assigned partition up to its end as it was when
+reached, then ends; with follow=True it never ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from partfin_assets.model.errors import SourceError
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import from_us, parse_duration
+from partfin_assets.sources.debezium import change_records
+from partfin_assets.sources.debezium_json import DebeziumJsonDecoder, DecodedChange, DecodedHeartbeat, RejectedMessage
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "PARTFIN_KAFKA_"
+# property names whose values are secrets: only from the environment, always redacted
+_SECRET_PROPERTY = re.compile(r"password|secret|\.pem$|oauthbearer\.config|^ssl\.key\.|^ssl\.keystore\.", re.IGNORECASE)
+# properties partfin sets itself: resuming from the table's offsets depends on them
+_OWNED_PROPERTIES = {
+    "group.id": "use the group=NAME option",
+    "bootstrap.servers": "give the brokers before '#'",
+    "enable.auto.commit": "partfin commits group offsets itself, after each Iceberg commit",
+    "enable.auto.offset.store": "partfin commits group offsets itself, after each Iceberg commit",
+    "enable.partition.eof": "partfin needs end-of-partition events",
+    "auto.offset.reset": "partfin starts a partition it never read at its log start and refuses offsets retention deleted",
+}
+_OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse helpers)
+
+
+class KafkaSourceError(SourceError):
+    """The Kafka source cannot read as configured (a missing topic, a refused property, a fatal client error)."""
+
+
+@dataclass(frozen=True)
+class KafkaSpec:
+    bootstrap: str
+    topic: str
+    group: str | None = None
+    properties: Mapping[str, str] = field(default_factory=dict)  # librdkafka properties from the spec (no secrets)
+    poll_timeout: float = 1.0
+    idle_batch_every: float = 10.0
+
+    @property
+    def display(self) -> str:
+        """How the source is named in checkpoints, logs and the UI: brokers and topic, never an option value."""
+        return f"kafka:{self.bootstrap}#{self.topic}"
+
+
+def parse_kafka_spec(argument: str, spec_text: str) -> KafkaSpec:
+    """`BOOTSTRAP#TOPIC[,option=value,...]` (what follows `kafka:`)."""
+    bootstrap, hash_mark, fragment = argument.partition("#")
+    items = [item.strip() for item in fragment.split(",")] if hash_mark else []
+    if not bootstrap.strip() or not items or not items[0] or "=" in items[0]:
+        raise ValueError(f"source {_shown(spec_text)}: expected kafka:BOOTSTRAP#TOPIC[,option=value,...], e.g. kafka:broker:9092#dbserver1.public.orders")
+    options: dict[str, Any] = {}
+    properties: dict[str, str] = {}
+    for item in filter(None, items[1:]):
+        name, equals, value = item.partition("=")
+        name = name.strip()
+        if not equals:
+            raise ValueError(f"source {_shown(spec_text)}: option {name!r} is not name=value")
+        if "." in name:
+            _check_property(name, from_environment=False)
+            properties[name] = value.strip()
+            continue
+        parse = _OPTIONS.get(name.replace("-", "_"))
+        if parse is None:
+            raise ValueError(
+                f"source {_shown(spec_text)}: unknown kafka option {name!r}; known: {', '.join(_OPTIONS)}, "
+                "or a librdkafka property (a name with a dot, e.g. security.protocol=SASL_SSL)"
+            )
+        try:
+            options[name.replace("-", "_")] = parse(value.strip())
+        except ValueError as exc:
+            raise ValueError(f"source {_shown(spec_text)}: option {name}: {exc}") from None
+    return KafkaSpec(bootstrap.strip(), items[0], properties=properties, **options)
+
+
+def _shown(spec_text: str) -> str:
+    """A spec as it may be shown in an error: option values after the topic are left out (they may be secrets)."""
+    head, hash_mark, fragment = spec_text.partition("#")
+    if not hash_mark:
+        return repr(spec_text)
+    names = [item.partition("=")[0] for item in fragment.split(",")]
+    return repr(f"{head}#{','.join([names[0], *(f'{n}=...' for n in names[1:] if n)])}")
+
+
+def _check_property(name: str, *, from_environment: bool) -> None:
+    owned = _OWNED_PROPERTIES.get(name)
+    if owned is not None:
+        raise ValueError(f"kafka property {name} is set by partfin ({owned})")
+    if not from_environment and _SECRET_PROPERTY.search(name):
+        raise ValueError(
+            f"kafka property {name} is a secret: not in the source spec (it is recorded and shown), "
+            f"but in the environment as {env_name(name)}"
+        )
+
+
+def env_name(property_name: str) -> str:
+    """The environment variable that sets a librdkafka property: sasl.password -> PARTFIN_KAFKA_SASL_PASSWORD."""
+    return ENV_PREFIX + property_name.replace("_", "__").replace(".", "_").upper()
+
+
+def properties_from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """librdkafka properties given as PARTFIN_KAFKA_<NAME> variables (`_` a dot, `__` an underscore)."""
+    found = {}
+    for variable, value in environ.items():
+        if variable.startswith(ENV_PREFIX) and len(variable) > len(ENV_PREFIX):
+            name = variable[len(ENV_PREFIX):].lower().replace("__", "\0").replace("_", ".").replace("\0", "_")
+            _check_property(name, from_environment=True)
+            found[name] = value
+    return found
+
+
+def _seconds(text: str) -> float:
+    return parse_duration(text).total_seconds()
+
+
+_OPTIONS.update({"group": str, "poll_timeout": _seconds, "idle_batch_every": _seconds})
+
+
+# --------------------------------------------------------------------------- offsets
+
+
+@dataclass(frozen=True)
+class KafkaOffset:
+    """Where reading stands: the next offset of every partition read so far."""
+
+    topic: str
+    partitions: Mapping[int, int]
+
+    def to_offset(self) -> str:
+        return json.dumps({"topic": self.topic, "partitions": {str(p): o for p, o in sorted(self.partitions.items())}},
+                          separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, text: str, topic: str) -> KafkaOffset:
+        try:
+            fields = json.loads(text)
+            parsed = cls(fields["topic"], {int(p): int(o) for p, o in fields["partitions"].items()})
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a kafka offset: {text!r} ({exc})") from None
+        if parsed.topic != topic:
+            raise SourceChanged(f"the recorded offsets are of topic {parsed.topic!r}, not {topic!r}")
+        return parsed
+
+
+# --------------------------------------------------------------------------- the source
+
+
+@dataclass
+class _Pending:
+    """Messages of one partition consumed but not yet yielded."""
+
+    changes: list[tuple[int, DecodedChange]] = field(default_factory=list)
+    rejected: list[tuple[int, str, str]] = field(default_factory=list)  # offset, raw, reason
+    next_offset: int | None = None  # after the last message consumed (None: nothing pending)
+
+    def __bool__(self) -> bool:
+        return self.next_offset is not None
+
+
+class KafkaSource:
+    """Debezium change events of one table from one Kafka topic (see the module docstring)."""
+
+    kind = "kafka"
+
+    def __init__(
+        self,
+        spec: KafkaSpec,
+        table: TableSpec,
+        primary_key: tuple[str, ...] | None = None,
+        *,
+        follow: bool = False,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        key_columns = tuple(primary_key) if primary_key else table.primary_key
+        if not key_columns:
+            raise KafkaSourceError(f"kafka source {spec.display}: no primary key (pass --primary-key)")
+        self.spec = spec
+        self.table = table
+        self.primary_key = key_columns
+        self.follow = follow
+        self.group = spec.group or f"partfin-{table.name}"
+        self._secret_values = []
+        env_properties = properties_from_env(os.environ if environ is None else environ)
+        self._secret_values = sorted({v for v in env_properties.values() if len(v) >= 3}, key=len, reverse=True)
+        self.config: dict[str, Any] = {
+            "client.id": f"partfin-{table.name}",
+            **spec.properties,
+            **env_properties,
+            "bootstrap.servers": spec.bootstrap,
+            "group.id": self.group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "error",
+            "error_cb": self._on_client_error,
+        }
+        self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
+        self._consumer = None
+        self._cluster_id: str | None = None
+        self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
+        self._assigned: set[int] | None = None  # None: no assignment yet
+        self._at_end: set[int] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._fatal: str | None = None
+
+    # ---- identity
+
+    def identity(self, offset: str | None) -> SourceIdentity:
+        """The cluster (its id, whichever brokers reach it) and the topic; a topic is not read again for replays."""
+        if self._cluster_id is None:
+            self._cluster_id = self._metadata().cluster_id
+        return SourceIdentity(
+            self.kind,
+            self.spec.display,
+            {"cluster_id": self._cluster_id, "topic": self.spec.topic},
+            cannot_replay="partfin does not read a Kafka topic again (retention may already have dropped what was read)",
+        )
+
+    def column_types(self) -> dict[str, pa.DataType] | None:
+        return self.decoder.column_types()
+
+    def _metadata(self):
+        consumer = self._open()
+        try:
+            metadata = consumer.list_topics(self.spec.topic, timeout=30)
+        except KafkaException as exc:
+            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(str(exc.args[0]))}") from None
+        topic = metadata.topics.get(self.spec.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            why = self._redact(str(topic.error)) if topic is not None and topic.error is not None else "no partitions"
+            raise KafkaSourceError(f"kafka source {self.spec.display}: topic {self.spec.topic!r} cannot be read: {why}")
+        return metadata
+
+    # ---- reading
+
+    def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
+        if max_records < 1:
+            raise ValueError(f"max_records must be at least 1, got {max_records}")
+        consumer = self._open()
+        self._metadata()  # a missing topic is one clear error, not an endless wait
+        self._restart_from(start_offset)
+        idle_since = time.monotonic()
+        while True:
+            self._raise_fatal()
+            messages = consumer.consume(min(max_records, 10_000), self.spec.poll_timeout)
+            yielded = False
+            for message in messages:
+                for batch in self._take(message, max_records):
+                    yielded = True
+                    yield batch
+            if not messages:  # nothing within poll_timeout: what is pending goes now
+                for partition in sorted(self._pending):
+                    if self._pending[partition]:
+                        yielded = True
+                        yield self._flush(partition)
+            if yielded:
+                idle_since = time.monotonic()
+                continue
+            if not self.follow and self._assigned is not None and self._at_end >= self._assigned:
+                return
+            if self.follow and time.monotonic() - idle_since >= self.spec.idle_batch_every:
+                yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset())
+                idle_since = time.monotonic()
+
+    def _take(self, message, max_records: int) -> Iterator[ChangeBatch]:
+        error = message.error()
+        partition = message.partition()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                self._at_end.add(partition)
+                if self._pending.get(partition):
+                    yield self._flush(partition)  # caught up: what it holds goes now
+                return
+            if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                raise SourceChanged(
+                    f"topic {self.spec.topic} partition {partition}: the offset the table recorded "
+                    f"({self._positions.get(partition)}) is no longer in the log (retention deleted messages partfin "
+                    f"had not read): {self._redact(error.str())}"
+                )
+            if error.fatal():
+                raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(error.str())}")
+            log.warning("kafka source %s: %s", self.spec.display, self._redact(error.str()))
+            return
+        if self._assigned is not None and partition not in self._assigned:
+            return  # fetched before a rebalance took the partition away
+        self._at_end.discard(partition)
+        pending = self._pending.setdefault(partition, _Pending())
+        offset = message.offset()
+        value = message.value()
+        try:
+            decoded = self.decoder.decode(value)
+        except RejectedMessage as reason:
+            raw = value.decode("utf-8", errors="replace") if value is not None else ""
+            pending.rejected.append((offset, raw, f"topic {self.spec.topic} partition {partition} offset {offset}: {reason}"))
+            pending.next_offset = offset + 1
+            return
+        if isinstance(decoded, DecodedHeartbeat):  # a batch of its own, after what came before it
+            if pending:
+                yield self._flush(partition)
+            self._positions[partition] = offset + 1
+            yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset(), heartbeat=from_us(decoded.time_us),
+                              stream=self.stream_of(partition))
+            return
+        if decoded is not None:
+            pending.changes.append((offset, decoded))
+        pending.next_offset = offset + 1  # a tombstone is consumed too
+        if len(pending.changes) + len(pending.rejected) >= max_records:
+            yield self._flush(partition)
+
+    def _flush(self, partition: int) -> ChangeBatch:
+        pending = self._pending.pop(partition)
+        assert pending.next_offset is not None
+        self._positions[partition] = pending.next_offset
+        rejected = pa.table(
+            {
+                "source_seq": pa.array([offset for offset, _, _ in pending.rejected], pa.int64()),
+                "raw": pa.array([raw for _, raw, _ in pending.rejected], pa.string()),
+                "reason": pa.array([reason for _, _, reason in pending.rejected], pa.string()),
+            },
+            schema=REJECTED_RECORD_SCHEMA,
+        )
+        return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset(), rejected=rejected,
+                           stream=self.stream_of(partition))
+
+    def stream_of(self, partition: int) -> str:
+        """The partition's name, as Kafka tools write it: `<topic>-<partition>`."""
+        return f"{self.spec.topic}-{partition}"
+
+    def _offset(self) -> str:
+        return KafkaOffset(self.spec.topic, dict(self._positions)).to_offset()
+
+    def _restart_from(self, start_offset: str | None) -> None:
+        """Read again from a committed offset: forget what is pending, seek every assigned partition back."""
+        self._positions = dict(KafkaOffset.parse(start_offset, self.spec.topic).partitions) if start_offset else {}
+        self._pending.clear()
+        self._at_end.clear()
+        if self._assigned:  # assigned again at the restart positions (seek refuses partitions not fetching yet)
+            self._consumer.assign([self._at_position(p) for p in sorted(self._assigned)])
+
+    def _at_position(self, partition: int):
+        return TopicPartition(self.spec.topic, partition, self._positions.get(partition, OFFSET_BEGINNING))
+
+    # ---- the consumer group
+
+    def _open(self):
+        if self._consumer is not None:
+            return self._consumer
+        try:
+            consumer = Consumer(self.config)
+        except KafkaException as exc:
+            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(str(exc.args[0]))}") from None
+        self._consumer = consumer
+        consumer.subscribe([self.spec.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        return consumer
+
+    def _on_assign(self, consumer, partitions) -> None:
+        self._assigned = {tp.partition for tp in partitions}
+        consumer.assign([self._at_position(p) for p in sorted(self._assigned)])  # where the table says, never the group
+        self._at_end &= self._assigned
+        log.info("kafka source %s: assigned partitions %s", self.spec.display, sorted(self._assigned))
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        revoked = {tp.partition for tp in partitions}
+        for partition in revoked:
+            self._pending.pop(partition, None)  # never yielded: the partition's next reader reads them
+        self._at_end -= revoked
+        self._assigned = (self._assigned or set()) - revoked
+        consumer.unassign()
+
+    def on_committed(self, offset: str) -> None:
+        """After the Iceberg commit: the group's offsets follow, for lag monitors only (never read back)."""
+        if self._consumer is None or not self._assigned:
+            return
+        positions = KafkaOffset.parse(offset, self.spec.topic).partitions
+        offsets = [TopicPartition(self.spec.topic, p, positions[p]) for p in sorted(self._assigned) if p in positions]
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=True)
+        except KafkaException as exc:  # refused during a rebalance: the next commit catches up
+            log.info("kafka source %s: group offsets not committed (%s)", self.spec.display, self._redact(str(exc.args[0])))
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            consumer.close()
+
+    # ---- errors
+
+    def _on_client_error(self, error) -> None:
+        if error.fatal():
+            self._fatal = error.str()
+        else:
+            log.info("kafka source %s: %s", self.spec.display, self._redact(error.str()))
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(self._fatal)}")
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secret_values:
+            text = text.replace(secret, "***")
+        return text
