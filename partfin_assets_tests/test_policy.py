@@ -1,0 +1,161 @@
+"""Issue 13: finalization that is early and right.
+
+Broken scenarios, reproduced at user level before the fixes:
+- one event from a source clock two days ahead suppresses every heartbeat (`partfin ingest` of a
+  Debezium file with an idle night of heartbeats), so idle hours wait for data instead of minutes;
+- `min-of-last:X` counts commits, so the same stream finalizes differently at another checkpoint
+  cadence; a window in arrival time (`min-of-last:30m`) does not;
+- raising X after snapshot expiry silently shortens the window and finalizes early.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+
+from partfin_assets_tests.cdc_files import HOUR_MS, orders_lines, partfin, stream_of, write_lines
+
+pytestmark = pytest.mark.timeout(600)
+
+MINUTE_MS = 60_000
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13: _heartbeat_due compares heartbeats with the largest event time committed")
+def test_one_event_from_a_clock_two_days_ahead_does_not_suppress_heartbeats(tmp_path):
+    """Two hours of changes, one of them from a clock 2 days ahead, then a 4-hour idle night of heartbeats."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.history import watermark_of
+    from partfin_assets.model.timeutil import floor_hour_us, iso_z
+
+    now_ms = int(datetime.now(UTC).timestamp() * 1000)
+    start_ms = (now_ms // HOUR_MS - 7) * HOUR_MS
+    events, arrivals = stream_of(start_ms, start_ms + 2 * HOUR_MS, 2_000, seed=3)
+    bad_at = len(events) // 2
+    events[bad_at] += 2 * 24 * HOUR_MS  # source.ts_ms from a clock two days ahead
+    night_start = arrivals[-1]
+    beats = [night_start + (i + 1) * MINUTE_MS for i in range(4 * 60)]  # heartbeat.interval.ms = 60 s, 4 hours
+    path = tmp_path / "orders.jsonl"
+    write_lines(path, orders_lines(events, arrivals, seed=3, wrapped=True) + [f'{{"ts_ms":{t}}}' for t in beats])
+
+    home = tmp_path / "home"
+    ingest = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--primary-key", "id",
+                     "--checkpoint-records", "250")
+    assert ingest.returncode == 0, ingest.stderr
+    lines = re.findall(r"checkpoint (\d+)\s+records ([\d,]+)", ingest.stderr)
+    records = [int(r.replace(",", "")) for _, r in lines]
+    heartbeat_commits = sum(1 for before, after in zip(records, records[1:]) if after == before)
+    watermark = watermark_of(load_partfin_catalog(home).load_table("cdc.orders").properties)
+    print(f"{heartbeat_commits} of {len(beats)} heartbeats committed; watermark {iso_z(watermark) if watermark else None}")
+    # one heartbeat commit per heartbeat interval (60 s) of the source's clock: every one of them
+    assert heartbeat_commits >= len(beats) - 1
+    # the idle hours finalize within minutes of their end: through the hour before the last heartbeat
+    assert watermark is not None and watermark >= floor_hour_us(beats[-1] * 1000) - 3_600_000_000
+
+
+def _tail_stream(hours: int, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Event and arrival times (us), in arrival order: lognormal lateness around 20 s plus a 1.5 % tail up to 1 h."""
+    from partfin_assets_tests.conftest import T0_US
+
+    rng = np.random.default_rng(seed)
+    count = int(hours * 3600 * rate)
+    event = T0_US + np.sort(rng.integers(0, hours * 3_600_000_000, count))
+    lateness = rng.lognormal(np.log(20.0), 0.8, count)
+    tail = rng.random(count) < 0.015
+    lateness[tail] = rng.uniform(0, 3600, tail.sum())
+    arrival = event + (lateness * 1e6).astype(np.int64)
+    order = np.argsort(arrival, kind="stable")
+    return event[order], arrival[order]
+
+
+def _late_share(catalog, name: str, policy: str, event: np.ndarray, arrival: np.ndarray, cadence_s: int) -> float:
+    """Commits the stream through a real CdcWriter, one checkpoint per `cadence_s` of arrival; late share of records."""
+    import pyarrow as pa
+
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.tablespec import TableSpec
+    from partfin_assets.model.timeutil import from_us
+    from partfin_assets_tests.conftest import change_batch
+
+    clock = [int(arrival[0])]
+    writer = CdcWriter(catalog, TableSpec(name, ("id",), {"id": pa.int64(), "amount": pa.float64()}, watermark_policy=policy),
+                       clock=lambda: from_us(clock[0]))
+    cells = (arrival - arrival[0]) // (cadence_s * 1_000_000)
+    bounds = np.flatnonzero(np.diff(cells, prepend=-1, append=cells[-1] + 1))
+    late = 0
+    try:
+        for start, end in zip(bounds, bounds[1:]):
+            clock[0] = int(arrival[end - 1]) + 1_000_000  # committed a second after its last arrival
+            batch = change_batch(event[start:end], offset=str(end), seq_start=int(start), heartbeat=from_us(int(arrival[end - 1])))
+            result = writer.write_checkpoint(batch)
+            late += int(result.summary.get(K.LATE_RECORDS, "0"))
+    finally:
+        writer.close()
+    return late / event.size
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13: windows count commits only")
+def test_a_window_in_arrival_time_finalizes_alike_at_any_checkpoint_cadence(catalog):
+    """The same stream, checkpoints every 60 s or every 10 minutes: `min-of-last:30m` looks at the same arrivals."""
+    event, arrival = _tail_stream(hours=3, rate=1.0, seed=11)
+    by_commits = {s: _late_share(catalog, f"commits_{s}", "min-of-last:3", event, arrival, s) for s in (60, 600)}
+    by_time = {s: _late_share(catalog, f"window_{s}", "min-of-last:30m", event, arrival, s) for s in (60, 600)}
+    print(f"late share by cadence: min-of-last:3 {by_commits}, min-of-last:30m {by_time}")
+    # counting commits, the window is 3 minutes or 30 minutes of arrivals: its quality follows the cadence
+    assert by_commits[60] > 2 * by_commits[600] + 0.0005
+    # in arrival time it is the same 30 minutes either way
+    assert abs(by_time[60] - by_time[600]) <= 0.25 * max(by_time.values()) + 0.0002
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13: a raised X uses whatever expiry retained")
+def test_raising_x_after_snapshot_expiry_does_not_finalize_early(catalog):
+    """Writer A runs min-of-last:3 for 45 checkpoints (expiry keeps 10-20 of them) while a slow backfill
+    writer holds the table at 07:00; then the table asks for min-of-last:30, and the backfill retires.
+
+    A's checkpoint 30 brought one record of 08:05: a 30-commit window holds it through checkpoint 59,
+    so the watermark must not pass 08:00 before; the table records when the policy changed.
+    """
+    import dataclasses
+    import json
+
+    from partfin_assets.iceberg.commit import set_table_properties
+    from partfin_assets.iceberg.streams import retire_stream, set_idle_timeout
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.timeutil import from_us, iso_z
+    from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+
+    spec = dataclasses.replace(ORDERS, watermark_policy="min-of-last:3")
+    clock = [T0_US + 9 * HOUR_US]
+    backfill = CdcWriter(catalog, spec, writer_id="backfill", clock=lambda: from_us(clock[0]))
+    set_idle_timeout(catalog, "cdc.orders", timedelta(hours=6))
+    backfill.write_checkpoint(change_batch([T0_US + 7 * HOUR_US + 30 * MINUTE_US] * 5, offset="b1", seq_start=10**6))
+    writer = CdcWriter(catalog, spec, clock=lambda: from_us(clock[0]))
+
+    def checkpoint(i: int, extra=()):
+        clock[0] = T0_US + 9 * HOUR_US + i * 2 * MINUTE_US
+        times = [clock[0] - 30 * 1_000_000 - k * 1_000_000 for k in range(20)] + list(extra)
+        return writer.write_checkpoint(change_batch(times, offset=str(i), seq_start=i * 100))
+
+    for i in range(1, 46):
+        checkpoint(i, extra=[T0_US + 8 * HOUR_US + 5 * MINUTE_US] if i == 30 else ())
+    table = catalog.load_table("cdc.orders")
+    assert len(table.metadata.snapshots) < 30, "expiry must have removed part of the new window for this test to mean anything"
+    assert table.properties[K.PROP_WATERMARK] == iso_z(T0_US + 7 * HOUR_US)  # the backfill holds it
+
+    set_table_properties(catalog, "cdc.orders", {K.PROP_WATERMARK_POLICY: "min-of-last:30"})
+    checkpoint(46)
+    retire_stream(catalog, "cdc.orders", "backfill")
+    for i in range(47, 60):  # the 30-commit window holds 08:05 through checkpoint 59
+        watermark = checkpoint(i).summary[K.WATERMARK]
+        assert watermark <= iso_z(T0_US + 8 * HOUR_US), f"checkpoint {i} finalized early: {watermark}"
+    for i in range(60, 81):
+        result = checkpoint(i)
+    assert result.summary[K.WATERMARK] == iso_z(T0_US + 10 * HOUR_US)  # the new policy is in force
+    changed = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK_POLICY_CHANGE])
+    assert changed["from"] == "min-of-last:3" and changed["to"] == "min-of-last:30"
+    assert changed["requested-at"] == iso_z(T0_US + 9 * HOUR_US + 92 * MINUTE_US)
+    assert changed["effective-at"] is not None
