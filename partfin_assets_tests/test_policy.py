@@ -23,7 +23,6 @@ pytestmark = pytest.mark.timeout(600)
 MINUTE_MS = 60_000
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: _heartbeat_due compares heartbeats with the largest event time committed")
 def test_one_event_from_a_clock_two_days_ahead_does_not_suppress_heartbeats(tmp_path):
     """Two hours of changes, one of them from a clock 2 days ahead, then a 4-hour idle night of heartbeats."""
     from partfin_assets.iceberg.catalog import load_partfin_catalog

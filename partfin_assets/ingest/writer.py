@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -37,15 +38,15 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import lineage, recorded_source, summary_of
 from partfin_assets.iceberg.streams import CommittedPosition, Stream, register_stream, stream_property, streams_of, writer_position
 from partfin_assets.iceberg.tables import ensure_cdc_tables
-from partfin_assets.ingest.event_time import EventTimeAccumulator
+from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
-from partfin_assets.ingest.watermark_processor import WatermarkProcessor
+from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
+from partfin_assets.model.records import ARRIVAL_TIME, CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
-from partfin_assets.model.stats import EventTimeStats
+from partfin_assets.model.stats import EventTimeStats, suspect_future
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
@@ -115,7 +116,7 @@ class CdcWriter:
         self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
         self._take_position(writer_position(self.table.metadata, self.writer_id))
         self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
-        self._last_progress_us = self._last_committed_event_time_us()
+        self._source_clock_us = self._committed_source_clock_us()
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
         # with accumulators registered, each subtask's files are written on a thread of their own
         self._file_pool = ThreadPoolExecutor(max_workers=subtasks) if self.accumulators else None
@@ -165,6 +166,7 @@ class CdcWriter:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
 
         contexts: list[CommitContext] = []
+        source_clocks: list[int | None] = []
         start = self.position
         fenced: list[CommittedPosition] = []
         position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, batch.offset).encode()}
@@ -181,7 +183,11 @@ class CdcWriter:
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
-            summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary}, commit_id, JobKind.INTO)
+            observed = self._source_clock_of(records, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
+            source_clock = max((t for t in (self._source_clock_us, observed) if t is not None), default=None)
+            source_clocks.append(source_clock)
+            source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
+            summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary}, commit_id, JobKind.INTO)
             tx = new_transaction(table)
             with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
@@ -203,10 +209,10 @@ class CdcWriter:
         crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, batch.offset))
+        self._source_clock_us = source_clocks[-1]
         snapshot = result.snapshot
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
-        self._note_progress(records, heartbeat_us, accumulated)
         expire_snapshots(result.table, self.retention, self._policy_lookback())
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, summary_of(snapshot))
 
@@ -280,33 +286,47 @@ class CdcWriter:
         commit_with_retry(self.catalog, self.spec.rejected_identifier, build)
         return count
 
-    # ---- idle sources
+    # ---- idle sources: heartbeats follow the source's processing time
 
     def _heartbeat_due(self, heartbeat_us: int | None) -> bool:
+        """A heartbeat commits once the source's clock moved a heartbeat interval past the last checkpoint's.
+
+        Compared with the source's processing time (heartbeats, arrival times), never with event
+        times: one event from a clock days ahead must not silence the heartbeats of an idle source.
+        """
         if heartbeat_us is None:
             return False
-        return self._last_progress_us is None or heartbeat_us - self._last_progress_us >= self.heartbeat_interval_us
+        return self._source_clock_us is None or heartbeat_us - self._source_clock_us >= self.heartbeat_interval_us
 
-    def _note_progress(self, records: pa.Table, heartbeat_us: int | None, accumulated: dict[str, Any]) -> None:
-        candidates = [t for t in (self._last_progress_us, heartbeat_us) if t is not None]
-        if records.num_rows:
-            event_times = accumulated.get(EventTimeAccumulator.name)  # its stats hold the max already
-            if event_times is not None:
-                candidates.append(event_times.stats.max_us)
-            else:
-                candidates.append(pc.max(pc.cast(records.column("event_time"), pa.int64())).as_py())
-        self._last_progress_us = max(candidates) if candidates else None
+    def _source_clock_of(self, records: pa.Table, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
+        """The source's processing time as of a checkpoint: its heartbeat, else its records' latest arrival,
+        else their latest plausible event time; a time beyond the commit's clock + tolerance never counts."""
+        limit = clock_us + future_tolerance_us(self.table.properties)
+        arrival_max = None
+        if records.num_rows and ARRIVAL_TIME in records.schema.names:
+            arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
+        for candidate in (heartbeat_us, arrival_max):
+            if candidate is not None and candidate <= limit:
+                return candidate
+        if event_times is not None and event_times.event_time_us.size:
+            plausible = int(np.searchsorted(event_times.event_time_us, limit, side="right"))
+            if plausible:
+                return int(event_times.event_time_us[plausible - 1])
+        return None
 
-    def _last_committed_event_time_us(self) -> int | None:
+    def _committed_source_clock_us(self) -> int | None:
+        """The source clock this writer's newest checkpoint recorded (older tables: its heartbeat or plausible max)."""
         for snapshot in lineage(self.table.metadata):
             summary = summary_of(snapshot)
             if summary.get(K.WRITER_ID) != self.writer_id:
                 continue
-            stats = EventTimeStats.from_summary(summary)
-            if stats is not None and not stats.is_empty:
-                return stats.max_us
-            if K.EVENT_TIME_HEARTBEAT in summary:
+            if K.SOURCE_CLOCK in summary:
+                return to_us(parse_iso(summary[K.SOURCE_CLOCK]))
+            if K.EVENT_TIME_HEARTBEAT in summary and not suspect_future(summary):
                 return to_us(parse_iso(summary[K.EVENT_TIME_HEARTBEAT]))
+            stats = EventTimeStats.from_summary(summary, with_digest=False)
+            if stats is not None and not stats.is_empty and not suspect_future(summary):
+                return stats.max_us
         return None
 
     def _policy_lookback(self) -> int:

@@ -21,6 +21,7 @@ import pyarrow as pa
 from partfin_assets.model.source_identity import IdentifiedSource
 
 UTC_US = pa.timestamp("us", tz="UTC")
+ARRIVAL_TIME = "arrival_time"  # the source's processing time of a record (nullable column; null: the commit clock)
 
 # Every CDC record, whatever the source. `key` is the canonical JSON object of the
 # primary-key columns (sorted keys, no spaces), so routing, dedupe and the upsert

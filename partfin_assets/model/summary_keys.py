@@ -26,6 +26,9 @@ REJECTED_RECORDS = "partfin.rejected-records"
 # only when the commit has some: JSON {"records", "by-hour": {"<hour iso Z>": n}, "max", "heartbeat",
 # "clock", "tolerance-s"}: event times (or the heartbeat) beyond the commit's clock + tolerance
 SUSPECT_FUTURE = "partfin.suspect-future"
+# the source's processing time as of the checkpoint (ISO Z): its heartbeat, else its records' latest arrival
+# time, else their latest plausible event time; heartbeats are rate-limited on it, never on event times
+SOURCE_CLOCK = "partfin.source-clock"
 SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
