@@ -33,7 +33,7 @@ from partfin_assets.iceberg.expiry import Retention  # noqa: E402
 from partfin_assets.iceberg.files import live_files  # noqa: E402
 from partfin_assets.ingest.writer import CdcWriter  # noqa: E402
 from partfin_assets.jobs.compaction import compact  # noqa: E402
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch  # noqa: E402
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch  # noqa: E402
 from partfin_assets.model.tablespec import TableSpec  # noqa: E402
 
 T0 = 1_793_491_200_000_000
@@ -52,7 +52,7 @@ def batch(i: int, n: int, rng) -> ChangeBatch:
                 "source_seq": np.arange(i * n, (i + 1) * n, dtype=np.int64),
                 "payload": [f'{{"amount":{a:.2f},"id":{k}}}' for k, a in zip(ids, rng.random(n) * 1000)],
             },
-            schema=CDC_RECORD_SCHEMA,
+            schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
         ),
         offset=str(i),
     )

@@ -9,6 +9,11 @@
 2. writer vs a plain PyIceberg Table.append of the same Arrow data (the floor of this stack)
 3. accumulator update vs np.sort of the same event-time column
 4. commit latency after 10 vs after N checkpoints with the default retention (goal <= 1.5x)
+5. the late-data ledger's overhead: total ingest time of the writer as it is (ledger rows per
+   checkpoint, recorded in batches, reconciled before expiry) vs the same writer without the ledger,
+   with `--ledger-checkpoints` checkpoints of 20,000 and of 500 records (a streaming cadence),
+   taking turns checkpoint by checkpoint; also with one ledger commit per checkpoint (max_pending=1),
+   the design the batching replaced. Ratio = time(with) / time(without), median over the repeats.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+import partfin_assets.iceberg.expiry as expiry
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.writer import CdcWriter
@@ -49,6 +55,8 @@ def make_batches(total: int, checkpoints: int, seed: int = 0) -> list[ChangeBatc
                 "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
                 "source_seq": pa.array(np.arange(i * per, (i + 1) * per)),
                 "payload": payload,
+                # the source saw each change up to a second after its event time
+                "arrival_time": pa.array(times + rng.integers(0, 1_000_000, per), pa.timestamp("us", tz="UTC")),
             },
             schema=CDC_RECORD_SCHEMA,
         )
@@ -96,6 +104,70 @@ class PlainAppend:
         self.table.append(batch.records.cast(self.schema))
 
 
+class NoLedger:
+    """The writer without its late-data ledger: rows are neither built nor recorded."""
+
+    pending = 0
+
+    def add(self, rows) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def flush_if_due(self) -> None:
+        pass
+
+
+class NoLedgerWriter(CdcWriter):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ledger = NoLedger()
+        WITHOUT_LEDGER.add(self.table.location())
+
+    def _record_in_ledger(self, *args) -> None:
+        pass
+
+
+WITHOUT_LEDGER: set[str] = set()
+_reconcile = expiry.reconcile
+
+
+def _reconcile_unless_without_ledger(catalog, table):
+    return 0 if table.location() in WITHOUT_LEDGER else _reconcile(catalog, table)
+
+
+def ledger_overhead(root: Path, batches: list[ChangeBatch], repeats: int) -> dict[str, float]:
+    """Total seconds of each variant over all checkpoints, per repeat, variants taking turns per checkpoint."""
+    expiry.reconcile = _reconcile_unless_without_ledger  # the baseline's expiry has no ledger to reconcile
+    totals: dict[str, list[float]] = {"ledger": [], "none": [], "ledger_each_checkpoint": []}
+    for r in range(repeats):
+        writers = {
+            "ledger": CdcWriter(load_partfin_catalog(root / f"l{r}"), SPEC),
+            "none": NoLedgerWriter(load_partfin_catalog(root / f"n{r}"), SPEC),
+            "ledger_each_checkpoint": CdcWriter(load_partfin_catalog(root / f"e{r}"), SPEC),
+        }
+        writers["ledger_each_checkpoint"]._ledger.max_pending = 1
+        spent = dict.fromkeys(writers, 0.0)
+        names = list(writers)
+        for i, batch in enumerate(batches):
+            for name in names[i % 3:] + names[: i % 3]:
+                start = time.perf_counter()
+                writers[name].write_checkpoint(batch)
+                spent[name] += time.perf_counter() - start
+        for name, writer in writers.items():  # what the writer still holds goes to the ledger when it stops
+            start = time.perf_counter()
+            writer.close()
+            spent[name] += time.perf_counter() - start
+            totals[name].append(spent[name])
+    return {
+        "ratio": statistics.median(w / n for w, n in zip(totals["ledger"], totals["none"])),
+        "ratio_each_checkpoint": statistics.median(w / n for w, n in zip(totals["ledger_each_checkpoint"], totals["none"])),
+        "ms_per_checkpoint_none": statistics.median(totals["none"]) / len(batches) * 1000,
+        "ms_per_checkpoint_ledger": statistics.median(totals["ledger"]) / len(batches) * 1000,
+    }
+
+
 def best_of(repeats: int, run) -> float:
     return min(run(i) for i in range(repeats))
 
@@ -106,12 +178,25 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=20)
     parser.add_argument("--commits", type=int, default=1000, help="checkpoints for the latency test")
     parser.add_argument("--repeats", type=int, default=16)
+    parser.add_argument("--ledger-checkpoints", type=int, default=60, help="checkpoints per repeat of the ledger test")
+    parser.add_argument("--ledger-repeats", type=int, default=5)
+    parser.add_argument("--only-ledger", action="store_true", help="run the ledger overhead test (5) alone")
     args = parser.parse_args()
     batches = make_batches(args.records, args.checkpoints)
     results: dict[str, float] = {}
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        for per in (20_000, 500):
+            overhead = ledger_overhead(root / f"ledger{per}", make_batches(per * args.ledger_checkpoints, args.ledger_checkpoints, 2),
+                                       args.ledger_repeats)
+            results[f"ratio_ledger_vs_none_{per}_records_per_checkpoint"] = overhead["ratio"]
+            results[f"ratio_ledger_each_checkpoint_vs_none_{per}_records_per_checkpoint"] = overhead["ratio_each_checkpoint"]
+            results[f"ms_per_checkpoint_none_{per}"] = overhead["ms_per_checkpoint_none"]
+            results[f"ms_per_checkpoint_ledger_{per}"] = overhead["ms_per_checkpoint_ledger"]
+        if args.only_ledger:
+            print(json.dumps({k: round(v, 3) for k, v in results.items()}, indent=2))
+            return
         variants = {"with_stats": {}, "none": {"accumulators": [], "processors": []}, "plain_append": {"accumulators": [], "processors": []}}
         runs = [checkpoint_times(root / f"run{r}", batches, variants) for r in range(args.repeats)]
         # events/s from the median time of each checkpoint over the repeats

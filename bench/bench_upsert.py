@@ -39,7 +39,7 @@ from partfin_assets.iceberg.catalog import ensure_namespaces, load_partfin_catal
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.upsert import run_upsert
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
 
 SPEC = TableSpec(
@@ -77,7 +77,7 @@ def change_records(ids: np.ndarray, ops: list[str] | str, start_seq: int, start_
             "source_seq": pa.array(np.arange(start_seq, start_seq + n, dtype=np.int64)),
             "payload": payload.cast(pa.string()),
         },
-        schema=CDC_RECORD_SCHEMA,
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
     )
 
 

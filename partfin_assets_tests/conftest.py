@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import to_us
 
@@ -43,7 +43,7 @@ def change_batch(event_time_us, *, offset: str, seq_start: int = 0, keys=None, o
             "source_seq": seqs,
             "payload": [None if op == "d" else json.dumps({"id": int(k), "amount": 1.5}) for k, op in zip(keys, ops)],
         },
-        schema=CDC_RECORD_SCHEMA,
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
     )
     return ChangeBatch(records, offset=offset, heartbeat=heartbeat)
 

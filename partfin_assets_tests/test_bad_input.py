@@ -23,7 +23,7 @@ from partfin_assets.defs import build_definitions
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets_tests.debezium_lines import change_line, heartbeat_line
 from partfin_assets_tests.test_cli import partfin
@@ -196,7 +196,7 @@ def write_changes(home: Path, changes: list[tuple[int, str, int, str | None]], c
             "source_seq": [checkpoint * 1000 + i for i in range(len(changes))],
             "payload": [p for _, _, _, p in changes],
         },
-        schema=CDC_RECORD_SCHEMA,
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
     )
     writer = CdcWriter(load_partfin_catalog(home), spec)
     try:

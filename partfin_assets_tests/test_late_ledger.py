@@ -29,8 +29,6 @@ def _late_lines(count: int, hour_ms: int, seen: set[int]) -> list[str]:
     return orders_lines(events, None, seed=99, seen=seen)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §5: late counts live only in retained snapshots: after expiry the "
-                                        "checks pass quietly while `partfin status` still counts the late records")
 def test_late_records_outlive_snapshot_expiry_and_every_reader_agrees(tmp_path, monkeypatch):
     from partfin_assets.defs import build_definitions
     from partfin_assets.defs.tables import PartfinTable

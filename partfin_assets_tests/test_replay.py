@@ -57,7 +57,7 @@ def test_replay_replaces_the_hour_and_keeps_the_watermark(catalog):
     # the hour was below the watermark: the 2 new records are late data, counted like late CDC records
     assert summary[K.LATE_RECORDS] == "2"
     assert late_records_total(table.metadata) == 2
-    assert late_data(table.metadata)[T0_US].records == 2
+    assert late_data(catalog, "cdc.orders")[T0_US].records == 2
     # partition metadata for the replayed hour (Dagster materialization of cdc/orders at that hour)
     (hour,) = checkpoint_hours(summary)
     assert hour.hour_us == T0_US and hour.records == 12

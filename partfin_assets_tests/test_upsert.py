@@ -21,7 +21,7 @@ from partfin_assets.jobs.maintenance import list_table_files, referenced_files
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso, to_us
@@ -53,7 +53,7 @@ def records(changes: Sequence[Change], payload=None) -> pa.Table:
             "source_seq": [c[3] for c in changes],
             "payload": [after_image(c) for c in changes],
         },
-        schema=CDC_RECORD_SCHEMA,
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
     )
 
 
@@ -288,7 +288,7 @@ def test_typed_columns_and_composite_key(tmp_path: Path):
             "source_seq": [1, 2, 3],
             "payload": [json.dumps(payload), json.dumps({**payload, "n": 8}), None],
         },
-        schema=CDC_RECORD_SCHEMA,
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
     )
     h.write(table=table)
     h.upsert()

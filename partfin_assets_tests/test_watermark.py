@@ -18,6 +18,7 @@ from partfin_assets.ingest.watermark_policy import PolicyError, WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import cdc_records
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us, iso_z
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
@@ -116,7 +117,7 @@ def test_commits_without_stats_are_skipped_by_the_lookback(catalog):
     writer.write_checkpoint(hour_batch(1, 2))
     table = catalog.load_table("cdc.orders")
     for _ in range(3):  # e.g. a replay or maintenance commit: no event-time stats
-        table.append(hour_batch(9, 0).records.cast(table.schema().as_arrow()))
+        table.append(cdc_records(hour_batch(9, 0).records).cast(table.schema().as_arrow()))
         table = catalog.load_table("cdc.orders")
     result = writer.write_checkpoint(hour_batch(2, 3))
     assert result.summary[K.WATERMARK] == wm(0)  # window = hours 2, 1, 0: the stat-less commits do not count

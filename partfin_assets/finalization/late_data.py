@@ -1,4 +1,9 @@
-"""Late data and watermark history read from retained CDC snapshots: what came late, and when."""
+"""Late data per hour, from the durable late-data ledger (iceberg/ledger.py), and watermark history.
+
+Every reader of late counts -- the late_data and late_data_after_run checks, `partfin status`,
+the Dagster metadata -- goes through `late_data`/`late_records_total` here, so they agree, and
+keep agreeing after the snapshots that carried the late records expired.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from partfin_assets.iceberg.history import lineage, summary_of
+import polars as pl
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import parse_iso, to_us
 
 
 def late_by_hour(summary: Mapping[str, str]) -> dict[int, int]:
+    """Late records per hour of one commit, from its snapshot summary (per-commit metadata only)."""
     text = summary.get(K.LATE_RECORDS_BY_HOUR)
     if not text:
         return {}
@@ -33,18 +42,26 @@ class LateHour:
     commits: tuple[LateCommit, ...]
 
 
-def late_data(metadata) -> dict[int, LateHour]:
-    """Late records per hour over the retained CDC snapshots, with the commits that brought them."""
+LATE_COLUMNS = ("snapshot_id", "sequence_number", "commit_time", "hour", "late_records")
+
+
+def late_data(catalog: Catalog, cdc_identifier: str) -> dict[int, LateHour]:
+    """Late records per hour over the table's whole history (its ledger), with the commits that brought them."""
+    rows = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS).filter(pl.col("late_records") > 0)
     found: dict[int, list[LateCommit]] = {}
-    for snapshot in lineage(metadata):
-        for hour, count in late_by_hour(summary_of(snapshot)).items():
-            found.setdefault(hour, []).append(
-                LateCommit(snapshot.snapshot_id, snapshot.sequence_number, snapshot.timestamp_ms * 1000, count)
-            )
+    for row in rows.with_columns(pl.col("hour", "commit_time").dt.epoch("us")).iter_rows(named=True):
+        found.setdefault(row["hour"], []).append(
+            LateCommit(row["snapshot_id"], row["sequence_number"], row["commit_time"], row["late_records"])
+        )
     return {
         hour: LateHour(hour, sum(c.records for c in commits), tuple(sorted(commits, key=lambda c: c.committed_at_us)))
         for hour, commits in sorted(found.items())
     }
+
+
+def late_records_total(catalog: Catalog, cdc_identifier: str) -> int:
+    """Every late record the table ever received (its ledger)."""
+    return int(read_ledger(catalog, cdc_identifier, columns=("late_records",))["late_records"].sum())
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
-from partfin_assets.iceberg.history import late_records_total, lineage, summary_of, total_records
+from partfin_assets.finalization.late_data import late_records_total
+from partfin_assets.iceberg.history import lineage, summary_of, total_records
+from partfin_assets.iceberg.tables import LEDGER_SUFFIX
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import HOUR, iso_z, now_utc, parse_iso, to_us
@@ -22,7 +24,7 @@ class TableStatus:
     policy: str | None
     checkpoint_id: int | None  # newest checkpoint on the table (any writer)
     finalized_through: str | None  # the last finalized hour: watermark - 1h
-    late_records: int
+    late_records: int  # cdc tables: every late record of the table's history (its late-data ledger); base: 0
     snapshots: int
     source_snapshot_id: int | None = None  # base tables: the CDC snapshot merged
     # cdc tables: lines the writer could not read (cdc.<t>__rejected); base tables: changes the
@@ -53,7 +55,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         policy=properties.get(K.PROP_WATERMARK_POLICY),
         checkpoint_id=checkpoint_id,
         finalized_through=iso_z(parse_iso(watermark) - HOUR) if watermark else None,
-        late_records=late_records_total(table.metadata),
+        late_records=late_records_total(table.catalog, identifier) if identifier.startswith("cdc.") else 0,
         snapshots=len(table.metadata.snapshots),
         source_snapshot_id=int(source_snapshot) if source_snapshot else None,
         rejected=total_records(rejected) if rejected is not None and identifier.startswith("cdc.") else 0,
@@ -94,7 +96,7 @@ def all_table_status(catalog: Catalog) -> list[TableStatus]:
             continue
         names = {".".join(ident) for ident in identifiers}
         for name in sorted(names):
-            if name.endswith("__rejected"):
+            if name.endswith(("__rejected", LEDGER_SUFFIX)):
                 continue
             rejected = catalog.load_table(f"{name}__rejected") if f"{name}__rejected" in names else None
             out.append(table_status(name, catalog.load_table(name), rejected))

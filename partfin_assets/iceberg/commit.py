@@ -28,8 +28,9 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.table.update import TableUpdate
+from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate, TableUpdate
 
+from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.history import find_commit
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
@@ -159,3 +160,21 @@ def ensure_managed_properties(catalog: Catalog, identifier: str) -> Table:
 
 def snapshot_summary_with_commit_id(summary: dict[str, str], commit_id: str, kind: JobKind) -> dict[str, str]:
     return {**summary, K.COMMIT_ID: commit_id, K.JOB_KIND: kind.value}
+
+
+def remove_snapshots(table: Table, expired: list[Snapshot]) -> int:
+    """Remove these snapshots of `table` (a compare-and-set on its refs); returns how many, 0 on a lost race."""
+    # The catalog applies the removal to whatever metadata is current when it commits: a
+    # concurrent expiry may have removed some of these snapshots already (PyIceberg then fails
+    # the whole update), and a tag moved meanwhile (the upsert's) would be dropped with its
+    # snapshot. So the removal is a compare-and-set on every ref as this view saw it; a lost
+    # race just leaves expiry to the next checkpoint.
+    unchanged = tuple(AssertRefSnapshotId(ref=name, snapshot_id=ref.snapshot_id) for name, ref in table.metadata.refs.items())
+    try:
+        new_transaction(table)._apply((RemoveSnapshotsUpdate(snapshot_ids=[s.snapshot_id for s in expired]),), unchanged).commit_transaction()
+    except CommitFailedException:
+        log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
+        return 0
+    # A manifest list belongs to exactly one snapshot: gone with it.
+    delete_files(table.io, [s.manifest_list for s in expired])
+    return len(expired)

@@ -5,7 +5,8 @@ streaming writer expires old snapshots as it goes. Never expired: the newest
 `keep_last` snapshots of main, each writer's last `lookback` stats-bearing commits
 (its stream's policy window), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
-branch or tag points at (the upsert tags the CDC snapshot it merged).
+branch or tag points at (the upsert tags the CDC snapshot it merged). Before checkpoints
+expire, the late-data ledger records any it does not hold yet (iceberg/ledger.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
 
-from partfin_assets.iceberg.commit import new_transaction
-from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import lineage, summary_of
+from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import commit_stats
 
@@ -61,23 +60,17 @@ def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
     `table` is the caller's freshly committed view of the table.
     """
     snapshots = table.metadata.snapshots
-    if len(snapshots) <= retention.keep_last + retention.slack:
+    if not expiry_due(table, retention):
         return 0
     keep = protected_snapshot_ids(table.metadata, retention.keep_last, lookback)
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0
-    # The catalog applies the removal to whatever metadata is current when it commits: a
-    # concurrent expiry may have removed some of these snapshots already (PyIceberg then fails
-    # the whole update), and a tag moved meanwhile (the upsert's) would be dropped with its
-    # snapshot. So the removal is a compare-and-set on every ref as this view saw it; a lost
-    # race just leaves expiry to the next checkpoint.
-    unchanged = tuple(AssertRefSnapshotId(ref=name, snapshot_id=ref.snapshot_id) for name, ref in table.metadata.refs.items())
-    try:
-        new_transaction(table)._apply((RemoveSnapshotsUpdate(snapshot_ids=[s.snapshot_id for s in expired]),), unchanged).commit_transaction()
-    except CommitFailedException:
-        log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
-        return 0
-    # A manifest list belongs to exactly one snapshot: gone with it.
-    delete_files(table.io, [s.manifest_list for s in expired])
-    return len(expired)
+    if any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
+        reconcile(table.catalog, table)  # every one reaches the late-data ledger before its snapshot goes
+    return remove_snapshots(table, expired)
+
+
+def expiry_due(table: Table, retention: Retention) -> bool:
+    """Whether expire_snapshots would look for snapshots to expire on this view of the table."""
+    return len(table.metadata.snapshots) > retention.keep_last + retention.slack

@@ -1,7 +1,8 @@
 """partfin's tables (DESIGN §4): the Iceberg schema, partitioning and creation of each.
 
 - `cdc.<table>`: the append-only change ledger (the CDC record schema), hidden partitioning
-  `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason.
+  `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason;
+  `cdc.<table>__ledger`: the late-data ledger, per checkpoint and event hour (iceberg/ledger.py).
 - `base.<table>`: the current state: the declared typed columns plus `_event_time`,
   `_source_seq` and `_deleted` (tombstone), partitioned `bucket(N, first primary-key column)`.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import TableAlreadyExistsError
+from pyiceberg.exceptions import CommitFailedException, TableAlreadyExistsError
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
@@ -49,6 +50,7 @@ CDC_SCHEMA = Schema(
     NestedField(3, "event_time", TimestamptzType(), required=True),
     NestedField(4, "source_seq", LongType(), required=True),
     NestedField(5, "payload", StringType(), required=False),
+    NestedField(6, "arrival_time", TimestamptzType(), required=False),  # source processing time; null: the commit's clock
 )
 CDC_PARTITION_SPEC = PartitionSpec(
     PartitionField(source_id=3, field_id=1000, transform=HourTransform(), name="event_time_hour")
@@ -61,6 +63,36 @@ REJECTED_SCHEMA = Schema(
     NestedField(5, "reason", StringType(), required=True),
 )
 
+# <cdc table>__ledger: the durable late-data ledger (iceberg/ledger.py), one row per (stream, checkpoint, event hour)
+LEDGER_SUFFIX = "__ledger"
+LEDGER_SCHEMA = Schema(
+    NestedField(1, "stream", StringType(), required=True),
+    NestedField(2, "checkpoint_id", LongType(), required=True),
+    NestedField(3, "snapshot_id", LongType(), required=True),
+    NestedField(4, "sequence_number", LongType(), required=False),
+    NestedField(5, "commit_time", TimestamptzType(), required=True),
+    NestedField(6, "arrival_min", TimestamptzType(), required=False),
+    NestedField(7, "arrival_max", TimestamptzType(), required=False),
+    NestedField(8, "hour", TimestamptzType(), required=False),
+    NestedField(9, "records", LongType(), required=True),
+    NestedField(10, "late_records", LongType(), required=True),
+    NestedField(11, "event_time_min", TimestamptzType(), required=False),
+    NestedField(12, "event_time_max", TimestamptzType(), required=False),
+    NestedField(13, "event_time_digest", StringType(), required=False),
+    NestedField(14, "lateness_digest", StringType(), required=False),
+    NestedField(15, "watermark", TimestamptzType(), required=False),
+)
+
+
+def ledger_identifier(cdc_identifier: str) -> str:
+    return cdc_identifier + LEDGER_SUFFIX
+
+
+def ensure_ledger_table(catalog: Catalog, cdc_identifier: str) -> Table:
+    identifier = ledger_identifier(cdc_identifier)
+    _create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    return catalog.load_table(identifier)
+
 
 def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "cdc")
@@ -72,7 +104,27 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
         {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
     )
     _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    ensure_ledger_table(catalog, spec.cdc_identifier)
+    _add_missing_cdc_columns(catalog, spec.cdc_identifier)
     return ensure_managed_properties(catalog, spec.cdc_identifier)
+
+
+def _add_missing_cdc_columns(catalog: Catalog, identifier: str) -> None:
+    """A table created before a nullable CDC column existed (`arrival_time`) gets it: its old rows read null."""
+    table = catalog.load_table(identifier)
+    names = {f.name for f in table.schema().fields}
+    missing = [f for f in CDC_SCHEMA.fields if f.name not in names and not f.required]
+    if not missing:
+        return
+    try:
+        with table.update_schema() as update:
+            for nested in missing:
+                update.add_column(nested.name, nested.field_type, doc=nested.doc)
+    except CommitFailedException:
+        # another writer evolved it at the same moment: fine if the columns are there now
+        names = {f.name for f in catalog.load_table(identifier).schema().fields}
+        if any(f.name not in names for f in missing):
+            raise
 
 
 def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:

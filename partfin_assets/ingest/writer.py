@@ -31,11 +31,13 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual, LessThanOrEqual
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
-from partfin_assets.iceberg.expiry import Retention, expire_snapshots
+from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_due
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import lineage, recorded_source, summary_of
+from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
 from partfin_assets.iceberg.streams import CommittedPosition, Stream, register_stream, stream_property, streams_of, writer_position
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -44,7 +46,7 @@ from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.records import ARRIVAL_TIME, CDC_RECORD_SCHEMA, CdcSource, ChangeBatch
+from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import EventTimeStats, suspect_future
 from partfin_assets.model.summary_keys import JobKind
@@ -115,6 +117,9 @@ class CdcWriter:
         # the writer's progress stream holds the watermark from now on (iceberg/streams.py)
         self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
         self._take_position(writer_position(self.table.metadata, self.writer_id))
+        # checkpoints a crashed run committed but never recorded reach the late-data ledger first
+        reconcile(catalog, self.table)
+        self._ledger = LedgerAppender(catalog, spec.cdc_identifier)
         self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
         self._source_clock_us = self._committed_source_clock_us()
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
@@ -122,9 +127,12 @@ class CdcWriter:
         self._file_pool = ThreadPoolExecutor(max_workers=subtasks) if self.accumulators else None
 
     def close(self) -> None:
-        for pool in (self._pool, self._file_pool):
-            if pool is not None:
-                pool.shutdown()
+        try:
+            self._ledger.flush()
+        finally:
+            for pool in (self._pool, self._file_pool):
+                if pool is not None:
+                    pool.shutdown()
 
     @property
     def position(self) -> CommittedPosition:
@@ -139,11 +147,13 @@ class CdcWriter:
 
     def write_checkpoint(self, batch: ChangeBatch) -> CheckpointResult:
         checkpoint_id = self.last_checkpoint_id + 1
-        records = batch.records
-        if not records.schema.equals(CDC_RECORD_SCHEMA):
-            raise ValueError(f"{self.spec.name}: source batch schema {records.schema} is not the CDC record schema")
+        try:
+            records = cdc_records(batch.records)
+        except ValueError as exc:
+            raise ValueError(f"{self.spec.name}: {exc}") from None
         heartbeat_us = to_us(batch.heartbeat) if batch.heartbeat is not None else None
         if records.num_rows == 0 and batch.rejected.num_rows == 0 and not self._heartbeat_due(heartbeat_us):
+            self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
         data_files, partials = self._write_subtasks(records)
@@ -187,7 +197,7 @@ class CdcWriter:
             source_clock = max((t for t in (self._source_clock_us, observed) if t is not None), default=None)
             source_clocks.append(source_clock)
             source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
-            summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary}, commit_id, JobKind.INTO)
+            summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)}, commit_id, JobKind.INTO)
             tx = new_transaction(table)
             with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
@@ -213,8 +223,18 @@ class CdcWriter:
         snapshot = result.snapshot
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
+        committed_summary = summary_of(snapshot)
+        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records)
+        if expiry_due(result.table, self.retention):
+            self._ledger.flush()  # recorded from memory; expiry's own reconcile then finds nothing missing
         expire_snapshots(result.table, self.retention, self._policy_lookback())
-        return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, summary_of(snapshot))
+        return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary)
+
+    def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table) -> None:
+        checkpoint = Checkpoint.of_commit(self.writer_id, checkpoint_id, snapshot, clock_us)
+        event_time = records.column("event_time").to_numpy().view(np.int64) if records.num_rows else np.empty(0, np.int64)
+        rows = checkpoint_rows(checkpoint, event_time, records.column(ARRIVAL_TIME))
+        self._ledger.add(rows)
 
     def _write_subtasks(self, records: pa.Table) -> tuple[list[DataFile], dict[str, list[Any]]]:
         parts = route_by_key(records, self.subtasks)
@@ -380,6 +400,7 @@ class CdcWriter:
                         if max_checkpoints is not None and committed >= max_checkpoints:
                             return
                     else:
+                        self._ledger.flush()
                         return  # the source is exhausted
                 finally:
                     close = getattr(batches, "close", None)  # a generator: run its cleanup now, not at garbage collection

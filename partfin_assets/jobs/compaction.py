@@ -33,6 +33,7 @@ from pyiceberg.transforms import HourTransform
 
 from partfin_assets.iceberg.files import hour_partition, live_files, partition_path, position_delete_files, read_files
 from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
@@ -138,6 +139,8 @@ def compact(
     """
     with Job.start(catalog, identifier, JobKind.MERGE, job_id=job_id, before_commit=before_commit) as job:
         table = job.table
+        if any(ledger_entry(s) is not None for s in table.metadata.snapshots):  # a cdc table: its ledger first
+            reconcile(catalog, table)
         wanted: set[str] | None = None
         if partitions is not None or hours is not None:
             wanted = set(partitions or ())

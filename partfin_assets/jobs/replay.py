@@ -51,10 +51,11 @@ from pyiceberg.table import Table
 
 from partfin_assets.iceberg.files import hour_partition, read_files
 from partfin_assets.iceberg.history import late_records_total, watermark_of, writer_positions
+from partfin_assets.iceberg.ledger import reconcile
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, cdc_records
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceChanged
 from partfin_assets.model.stats import EventTimeProfile, compact_json, encode_by_hour
 from partfin_assets.model.summary_keys import JobKind
@@ -191,8 +192,9 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
             int(summary.get(K.REPLAY_KEPT_RECORDS, "0")), summary.get(K.REPLAY_SOURCE), already_committed=True,
         )
     records, history = read()
-    if not records.schema.equals(CDC_RECORD_SCHEMA, check_metadata=False):
-        records = records.select(CDC_RECORD_SCHEMA.names).cast(CDC_RECORD_SCHEMA)
+    if not records.schema.equals(CDC_RECORD_SCHEMA, check_metadata=False):  # e.g. read back from cdc.<table>
+        names = [n for n in CDC_RECORD_SCHEMA.names if n in records.schema.names]  # a history without arrival times
+        records = cdc_records(records.select(names).cast(pa.schema([CDC_RECORD_SCHEMA.field(n) for n in names])))
     rows = _in_hour(records, hour_us)
     ignored = records.num_rows - rows.num_rows
     partition = hour_partition(job.table.metadata, hour_us)
@@ -241,6 +243,7 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
         return out
 
     committed = job.commit_overwrite(new_files, summary=summary_at)
+    reconcile(job.catalog, job.catalog.load_table(identifier))  # its late records reach the ledger now
     result = ReplayResult(
         identifier, iso_z(hour_us), job.job_id, committed.snapshot_id, rows.num_rows + facts.get("kept", 0),
         facts.get("replaced", 0), facts.get("added", 0), facts.get("removed", 0), facts.get("late", 0), ignored,

@@ -27,7 +27,10 @@ ARRIVAL_TIME = "arrival_time"  # the source's processing time of a record (nulla
 # primary-key columns (sorted keys, no spaces), so routing, dedupe and the upsert
 # see one stable identity per row. `payload` is the JSON after-image (null for deletes).
 # `source_seq` orders changes within the source (file line, LSN, generator index) and
-# breaks event-time ties in last-writer-wins.
+# breaks event-time ties in last-writer-wins. `arrival_time` is the source's processing time of
+# the change (Debezium's envelope `ts_ms`, a PostgreSQL transaction's commit time, the synthetic
+# source's simulated arrival); null when the source has none: the checkpoint's commit clock is then
+# the arrival (what the late-data ledger measures lateness against, iceberg/ledger.py).
 CDC_RECORD_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),
@@ -35,8 +38,23 @@ CDC_RECORD_SCHEMA = pa.schema(
         pa.field("event_time", UTC_US, nullable=False),
         pa.field("source_seq", pa.int64(), nullable=False),
         pa.field("payload", pa.string(), nullable=True),
+        pa.field("arrival_time", UTC_US, nullable=True),
     ]
 )
+# the record schema before `arrival_time`: a source that knows no arrival time may still yield it
+CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL = CDC_RECORD_SCHEMA.remove(CDC_RECORD_SCHEMA.get_field_index(ARRIVAL_TIME))
+
+
+def cdc_records(records: pa.Table) -> pa.Table:
+    """Records in CDC_RECORD_SCHEMA: a batch without `arrival_time` gets it as nulls (arrival = commit clock).
+
+    Any other schema is a source bug: ValueError naming both schemas.
+    """
+    if records.schema.equals(CDC_RECORD_SCHEMA):
+        return records
+    if records.schema.equals(CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL):
+        return records.append_column(CDC_RECORD_SCHEMA.field(ARRIVAL_TIME), pa.nulls(records.num_rows, UTC_US))
+    raise ValueError(f"source batch schema {records.schema} is not the CDC record schema {CDC_RECORD_SCHEMA}")
 
 REJECTED_RECORD_SCHEMA = pa.schema(
     [
@@ -69,7 +87,7 @@ def implausible_event_time(us: int) -> str | None:
 
 @dataclass(frozen=True)
 class ChangeBatch:
-    records: pa.Table  # CDC_RECORD_SCHEMA
+    records: pa.Table  # CDC_RECORD_SCHEMA (or it without arrival_time: see cdc_records)
     offset: str  # opaque position after this batch; passed back to resume
     rejected: pa.Table = field(default_factory=REJECTED_RECORD_SCHEMA.empty_table)
     heartbeat: datetime | None = None  # the source is complete up to this time

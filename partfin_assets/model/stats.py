@@ -82,15 +82,7 @@ class EventTimeStats:
 
     def tdigest_dict(self) -> dict:
         assert self.digest is not None
-        centroids = np.array(self.digest.centroids)  # rows of (mean, weight)
-        # millisecond precision is plenty for hour-level decisions and halves the size
-        means = np.round(centroids[:, 0], 3).tolist()
-        return {
-            "n": self.count,
-            "delta": TDIGEST_DELTA,
-            "K": TDIGEST_K,
-            "centroids": [{"m": m, "c": c} for m, c in zip(means, centroids[:, 1].tolist())],
-        }
+        return tdigest_dict(self.digest, self.count)
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str], *, with_digest: bool = True) -> EventTimeStats | None:
@@ -105,8 +97,7 @@ class EventTimeStats:
             return cls()
         digest = None
         if with_digest:
-            stored = json.loads(summary[K.EVENT_TIME_TDIGEST])
-            digest = TDigest.from_dict({"max_centroids": DIGEST_CENTROIDS, "centroids": stored["centroids"]})
+            digest = digest_from_dict(json.loads(summary[K.EVENT_TIME_TDIGEST]))
         return cls(
             count=count,
             min_us=to_us(parse_iso(summary[K.EVENT_TIME_MIN])),
@@ -218,6 +209,29 @@ def _digest(sorted_us: np.ndarray, max_centroids: int) -> TDigest:
     if whole < sorted_us.size:  # the values after the last whole run go in one by one
         digest.batch_update(memoryview(sorted_us[whole:] / US_PER_SECOND))
     return digest
+
+
+def tdigest_dict(digest: TDigest, count: int) -> dict:
+    """A fastdigest digest in the `tdigest` package's dict layout (`tdigest.TDigest().update_from_dict`)."""
+    centroids = np.array(digest.centroids)  # rows of (mean, weight)
+    # millisecond precision is plenty for hour-level decisions and halves the size
+    means = np.round(centroids[:, 0], 3).tolist()
+    return {
+        "n": count,
+        "delta": TDIGEST_DELTA,
+        "K": TDIGEST_K,
+        "centroids": [{"m": m, "c": c} for m, c in zip(means, centroids[:, 1].tolist())],
+    }
+
+
+def digest_of_sorted(sorted_us: np.ndarray, max_centroids: int = DIGEST_CENTROIDS) -> TDigest:
+    """The t-digest, over seconds, of ascending microsecond values (event times, or durations such as lateness)."""
+    return _digest(sorted_us, max_centroids)
+
+
+def digest_from_dict(stored: Mapping) -> TDigest:
+    """A digest stored in the `tdigest` dict layout, back as fastdigest (to merge or query)."""
+    return TDigest.from_dict({"max_centroids": DIGEST_CENTROIDS, "centroids": stored["centroids"]})
 
 
 def _sorted_quantile(sorted_values: np.ndarray, q: float) -> int:

@@ -30,6 +30,7 @@ SUSPECT_FUTURE = "partfin.suspect-future"
 # time, else their latest plausible event time; heartbeats are rate-limited on it, never on event times
 SOURCE_CLOCK = "partfin.source-clock"
 SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
+COMMIT_CLOCK = "partfin.commit-clock"  # ISO Z: the writer's clock for this checkpoint (the ledger's commit_time)
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
 # the conflict layer (jobs/job.py, DESIGN §6)
@@ -78,6 +79,11 @@ MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> 
 PROP_WRITER_PREFIX = "partfin.writer."  # + writer id: JSON {"checkpoint", "offset"}, the committed position
 PROP_STREAM_PREFIX = "partfin.stream."  # + stream id: JSON {"writer", "progress", "seen", "state"}
 PROP_STREAMS_IDLE_TIMEOUT = "partfin.streams.idle-timeout"  # e.g. 15m (default): a stream silent this long stops holding the watermark
+
+
+# the late-data ledger <cdc table>__ledger (iceberg/ledger.py)
+PROP_LEDGER_PREFIX = "partfin.ledger."  # + stream id: the last checkpoint id the ledger holds for that stream
+LEDGER_CHECKPOINTS = "partfin.ledger.checkpoints"  # ledger commit summary: JSON {stream: last checkpoint id recorded}
 
 
 # values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)

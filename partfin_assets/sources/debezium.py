@@ -260,6 +260,7 @@ def change_records(primary_key: tuple[str, ...], changes: list[tuple[int, Decode
             "event_time": pa.array([change.event_time_us for _, change in changes], pa.int64()).cast(UTC_US),
             "source_seq": pa.array([seq for seq, _ in changes], pa.int64()),
             "payload": pa.array([change.payload for _, change in changes], pa.string()),
+            "arrival_time": pa.array([change.arrival_us for _, change in changes], pa.int64()).cast(UTC_US),
         },
         schema=CDC_RECORD_SCHEMA,
     )

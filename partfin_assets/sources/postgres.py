@@ -855,6 +855,8 @@ class _TxnReader:
                 "event_time": pa.array(pending.times, pa.int64()).cast(UTC_US),
                 "source_seq": pa.array(pending.seqs, pa.int64()),
                 "payload": pa.array(pending.payloads, pa.string()),
+                # logical decoding sees a change once its transaction committed: the commit is its arrival
+                "arrival_time": pa.array(pending.times, pa.int64()).cast(UTC_US),
             },
             schema=CDC_RECORD_SCHEMA,
         )

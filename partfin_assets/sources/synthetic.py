@@ -26,7 +26,7 @@ import polars as pl
 import pyarrow as pa
 
 from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, now_utc, to_us
@@ -40,7 +40,7 @@ ORDER_STATUSES = ("pending", "paid", "shipped", "delivered", "cancelled")
 
 CHUNK_US = US_PER_HOUR  # event time generated per random stream; fixed, it defines the stream
 _ARRIVAL = "arrival_us"
-_PENDING_SCHEMA = CDC_RECORD_SCHEMA.append(pa.field(_ARRIVAL, pa.int64(), nullable=False))
+_PENDING_SCHEMA = CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL.append(pa.field(_ARRIVAL, pa.int64(), nullable=False))
 _MEDIAN_LATENESS_S = 2.0
 _LATENESS_SIGMA = 1.5  # log-normal body: ~99.9% of on-time events arrive within ~4 minutes
 _LATE_TAIL_ALPHA = 1.5  # Pareto tail of the rare hours-late events
@@ -369,9 +369,10 @@ class _ArrivalStream:
         return int(self._pending[_ARRIVAL][0].as_py()) if self._pending.num_rows else self.generated_until_us
 
     def pop(self, count: int) -> pa.Table:
-        records = self._pending.slice(0, count).select(CDC_RECORD_SCHEMA.names)
+        taken = self._pending.slice(0, count)
         self._pending = self._pending.slice(count)
-        return records
+        arrival = taken.column(_ARRIVAL).cast(CDC_RECORD_SCHEMA.field("arrival_time").type)  # the simulated arrival
+        return taken.select(CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL.names).append_column(CDC_RECORD_SCHEMA.field("arrival_time"), arrival)
 
     def _generate_next_chunk(self) -> None:
         chunk = self._source._generate_chunk(self._next_chunk, self._anchor_us, self._next_seq, self._alive)

@@ -34,6 +34,7 @@ from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResou
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hours import lag_seconds
+from partfin_assets.finalization.late_data import late_data
 from partfin_assets.finalization.partition_metadata import PartitionReport, checkpoint_reports, upsert_reports
 from partfin_assets.iceberg.history import summary_of, watermark_of
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -129,6 +130,7 @@ def build_sync_job(table: PartfinTable):
                 close()
         watermark = watermark_of(writer.table.properties)
         now_us = to_us(now_utc())
+        late = late_data(iceberg, table.spec.cdc_identifier)  # the ledger, as the late_data check and `partfin status`
         context.log_event(
             AssetObservation(
                 asset_key=table.cdc_key,
@@ -137,6 +139,8 @@ def build_sync_job(table: PartfinTable):
                         "watermark": iso_z(watermark) if watermark is not None else None,
                         "watermark_lag_seconds": lag_seconds(watermark, now_us),
                         "checkpoints_this_run": checkpoints,
+                        "late_records_total": sum(h.records for h in late.values()),
+                        "late_partitions": len(late),
                     }
                 ),
             )

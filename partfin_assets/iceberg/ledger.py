@@ -1,0 +1,401 @@
+"""The durable late-data ledger of a cdc table: `<cdc table>__ledger`, one row per (stream, checkpoint, event hour).
+
+Snapshot summaries carry each checkpoint's late records, but snapshots expire (a writer keeps
+10-20 of them while one sync run commits hundreds of checkpoints). The ledger is a small
+append-only Iceberg table beside the CDC table that keeps, for every checkpoint a stream
+committed, the commit's clock and watermark and, per event hour it touched: records, late
+records, event-time min/max, source arrival min/max, and t-digests (the `tdigest` package's
+dict layout) of event time and of lateness (arrival - event time, seconds; arrival is the
+record's `arrival_time`, else the commit's clock). A checkpoint without records (a heartbeat,
+or only rejected lines) is one row with hour null and 0 records.
+
+Exactly once per (stream, checkpoint): the ledger's table property `partfin.ledger.<stream>`
+holds the last checkpoint id recorded for the stream, and moves in the same commit as the rows
+(a compare-and-set, like the writer's position); rows at or below it are never appended again.
+The writer records its checkpoints after each commit (a few at a time, see LedgerAppender); a
+crash in between is repaired by `reconcile`, which rebuilds the missing rows from the retained
+CDC snapshots (their summaries and the data files they added) and runs when a writer starts,
+before every snapshot expiry and before compaction. So a checkpoint always reaches the ledger
+before its snapshot can expire, and the ledger outlives expiry and compaction.
+
+Replays of an hour (jobs/replay.py, OVERWRITE commits) are recorded too, under the stream
+`partfin.replay` with the commit's sequence number as checkpoint id: records = the records new
+to the hour, late_records as the replay counted them, no digests.
+
+Readers (checks, `partfin status`, Dagster metadata, the policy lab) read rows with
+`read_ledger` and per-hour totals with `hour_totals`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+from pyiceberg.manifest import DataFile, ManifestContent, ManifestEntryStatus
+from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot
+
+from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.history import lineage, summary_of, watermark_of
+from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import ARRIVAL_TIME
+from partfin_assets.model.stats import compact_json, digest_from_dict, digest_of_sorted, tdigest_dict
+from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, parse_iso, to_us
+
+log = logging.getLogger(__name__)
+
+REPLAY_STREAM = "partfin.replay"  # the stream replays of an hour are recorded under (checkpoint id: sequence number)
+LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
+UTC_US = pa.timestamp("us", tz="UTC")
+
+__all__ = [
+    "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "ensure_ledger_table",
+    "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
+]
+
+
+# --------------------------------------------------------------------------- building rows
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a committed checkpoint is, apart from its records."""
+
+    stream: str
+    checkpoint_id: int
+    snapshot_id: int
+    sequence_number: int | None
+    commit_time_us: int  # the writer's clock for the commit
+    watermark_us: int | None  # the watermark this commit recorded
+    late_by_hour: Mapping[int, int]  # hour (us) -> records that came below the watermark before the commit
+
+    @classmethod
+    def of_commit(cls, stream: str, checkpoint_id: int, snapshot: Snapshot, clock_us: int | None = None) -> Checkpoint:
+        """A committed cdc snapshot as the ledger sees it (clock: the writer's, else the one its summary recorded)."""
+        summary = summary_of(snapshot)
+        if clock_us is None:
+            clock = summary.get(K.COMMIT_CLOCK)
+            clock_us = to_us(parse_iso(clock)) if clock else snapshot.timestamp_ms * 1000
+        return cls(stream, checkpoint_id, snapshot.snapshot_id, snapshot.sequence_number, clock_us, watermark_of(summary),
+                   _late_by_hour(summary))
+
+
+def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None = None) -> pa.Table:
+    """The ledger rows of one checkpoint: one per event hour of its records (one row, hour null, without records).
+
+    `event_time_us`: the records' event times (int64 epoch us, any order); `arrival`: their
+    `arrival_time` column in the same order (nulls, or None: the commit clock is the arrival).
+    """
+    c = checkpoint
+    event_time_us = np.asarray(event_time_us, dtype=np.int64)
+    if event_time_us.size == 0:
+        return _table([_row(c, None, 0, 0)])
+    arrivals = known = None
+    if arrival is not None and len(arrival) and pc.count(arrival).as_py():  # some arrival times known
+        arrival_int = pc.cast(arrival, pa.int64())
+        known = pc.is_valid(arrival_int).to_numpy(zero_copy_only=False)
+        arrivals = pc.fill_null(arrival_int, c.commit_time_us).to_numpy(zero_copy_only=False)
+    hour_of = event_time_us // US_PER_HOUR
+    rows = []
+    # a checkpoint touches a few hours: one mask per hour is cheaper than ordering the whole batch
+    for hour in np.unique(hour_of).tolist():
+        in_hour = hour_of == hour
+        hour_times = np.sort(event_time_us[in_hour])
+        count = hour_times.size
+        row = _row(c, hour * US_PER_HOUR, count, int(c.late_by_hour.get(hour * US_PER_HOUR, 0)))
+        row["event_time_min"], row["event_time_max"] = int(hour_times[0]), int(hour_times[-1])
+        row["event_time_digest"] = compact_json(tdigest_dict(digest_of_sorted(hour_times), count))
+        if arrivals is None:
+            lateness = c.commit_time_us - hour_times[::-1]  # ascending already
+        else:
+            hour_arrivals = arrivals[in_hour]
+            lateness = np.sort(hour_arrivals - event_time_us[in_hour])
+            hour_known = hour_arrivals[known[in_hour]]
+            if hour_known.size:
+                row["arrival_min"], row["arrival_max"] = int(hour_known.min()), int(hour_known.max())
+        row["lateness_digest"] = compact_json(tdigest_dict(digest_of_sorted(lateness), count))
+        rows.append(row)
+    return _table(rows)
+
+
+def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
+    return {
+        "stream": c.stream, "checkpoint_id": c.checkpoint_id, "snapshot_id": c.snapshot_id, "sequence_number": c.sequence_number,
+        "commit_time": c.commit_time_us, "arrival_min": None, "arrival_max": None, "hour": hour_us, "records": records,
+        "late_records": late, "event_time_min": None, "event_time_max": None, "event_time_digest": None,
+        "lateness_digest": None, "watermark": c.watermark_us,
+    }
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    columns = {}
+    for f in LEDGER_ARROW_SCHEMA:
+        values = [r[f.name] for r in rows]
+        columns[f.name] = pa.array(values, pa.int64()).cast(f.type) if pa.types.is_timestamp(f.type) else pa.array(values, f.type)
+    return pa.Table.from_pydict(columns, schema=LEDGER_ARROW_SCHEMA)
+
+
+# --------------------------------------------------------------------------- recording rows, exactly once
+
+
+def recorded_checkpoints(properties: Mapping[str, str]) -> dict[str, int]:
+    """stream -> the last checkpoint id the ledger holds for it."""
+    prefix = K.PROP_LEDGER_PREFIX
+    return {k[len(prefix):]: int(v) for k, v in properties.items() if k.startswith(prefix)}
+
+
+def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contiguous: bool = True) -> set[str]:
+    """Append the rows of checkpoints the ledger does not hold yet, in one commit; returns the streams left out.
+
+    With `contiguous`, a stream whose rows do not begin right after its recorded checkpoint (an
+    earlier one is missing: a crashed or fenced process committed it) is left out; `reconcile`
+    fills the gap from the CDC history.
+    """
+    if rows.num_rows == 0:
+        return set()
+    frame = pl.from_arrow(rows.select(["stream", "checkpoint_id"]))
+    assert isinstance(frame, pl.DataFrame)
+    left_out: set[str] = set()
+
+    def build(table: Table, commit_id: str):
+        left_out.clear()
+        recorded = recorded_checkpoints(table.properties)
+        keep = np.zeros(rows.num_rows, dtype=bool)
+        last: dict[str, int] = {}
+        for (stream,), part in frame.with_row_index().group_by(["stream"]):
+            done = recorded.get(stream, 0)
+            new = part.filter(pl.col("checkpoint_id") > done)
+            if new.is_empty():
+                continue
+            if contiguous and done and new["checkpoint_id"].min() != done + 1:
+                left_out.add(stream)
+                continue
+            keep[new["index"].to_numpy()] = True
+            last[stream] = int(new["checkpoint_id"].max())
+        if not last:
+            return None
+        summary = {K.LEDGER_CHECKPOINTS: compact_json(last)}
+        tx = new_transaction(table)
+        tx.append(rows.filter(pa.array(keep)), snapshot_properties=snapshot_summary_with_commit_id(summary, commit_id, JobKind.INTO))
+        tx.set_properties({K.PROP_LEDGER_PREFIX + stream: str(n) for stream, n in last.items()})
+        return tx
+
+    ensure_ledger_table(catalog, cdc_identifier)
+    result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build)
+    if result.snapshot is not None:
+        _expire_ledger_snapshots(result.table)
+    return left_out
+
+
+LEDGER_KEEP_SNAPSHOTS = 5  # the ledger's rows are its live files: older snapshots only slow its commits down
+LEDGER_EXPIRY_SLACK = 20
+
+
+def _expire_ledger_snapshots(ledger: Table) -> None:
+    snapshots = sorted(ledger.metadata.snapshots, key=lambda s: s.sequence_number)
+    if len(snapshots) > LEDGER_KEEP_SNAPSHOTS + LEDGER_EXPIRY_SLACK:
+        remove_snapshots(ledger, snapshots[:-LEDGER_KEEP_SNAPSHOTS])
+
+
+class LedgerAppender:
+    """The writer's side: rows of each committed checkpoint, recorded a few checkpoints at a time.
+
+    One ledger commit per checkpoint would double the commits of a fast writer, so rows wait until
+    `max_pending` checkpoints or `max_wait_s` seconds piled up (the next checkpoint, or an idle
+    source's empty batch, records them), and always before a snapshot expiry and when the writer
+    stops. A crash loses only pending rows, which `reconcile` rebuilds from the CDC history.
+    """
+
+    def __init__(self, catalog: Catalog, cdc_identifier: str, *, max_pending: int = 10, max_wait_s: float = 5.0) -> None:
+        self.catalog = catalog
+        self.cdc_identifier = cdc_identifier
+        self.max_pending = max_pending
+        self.max_wait_s = max_wait_s
+        self._pending: list[pa.Table] = []
+        self._since: float | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, rows: pa.Table) -> None:
+        self._pending.append(rows)
+        if self._since is None:
+            self._since = time.monotonic()
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        if self._pending and (len(self._pending) >= self.max_pending or time.monotonic() - self._since >= self.max_wait_s):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        rows = pa.concat_tables(self._pending)
+        left_out = record_rows(self.catalog, self.cdc_identifier, rows)
+        self._pending.clear()
+        self._since = None
+        if left_out:  # another process committed checkpoints of the stream in between: read them from the history
+            reconcile(self.catalog, self.catalog.load_table(self.cdc_identifier))
+
+
+# --------------------------------------------------------------------------- reconcile from CDC history
+
+
+def ledger_entry(snapshot: Snapshot) -> tuple[str, int] | None:
+    """(stream, checkpoint id) of a cdc snapshot the ledger records: a writer's checkpoint or a replay; else None."""
+    return _stream_checkpoint(snapshot, summary_of(snapshot))
+
+
+def _stream_checkpoint(snapshot: Snapshot, summary: Mapping[str, str]) -> tuple[str, int] | None:
+    kind = summary.get(K.JOB_KIND)
+    if kind == JobKind.OVERWRITE and K.REPLAY_HOUR in summary:
+        return REPLAY_STREAM, int(snapshot.sequence_number or 0)
+    if K.WRITER_ID in summary and K.CHECKPOINT_ID in summary and kind in (None, JobKind.INTO):
+        return summary[K.WRITER_ID], int(summary[K.CHECKPOINT_ID])
+    return None
+
+
+def reconcile(catalog: Catalog, cdc: Table) -> int:
+    """Record every retained checkpoint (and replay) of `cdc` the ledger does not hold; returns the rows added.
+
+    Cheap when nothing is missing (table metadata only); rows of a missing checkpoint are rebuilt
+    from the data files its snapshot added, so they equal the ones its writer would have recorded.
+    """
+    identifier = _dotted(cdc)
+    ledger = ensure_ledger_table(catalog, identifier)
+    recorded = recorded_checkpoints(ledger.properties)
+    missing: list[tuple[str, int, Snapshot]] = []
+    for snapshot in lineage(cdc.metadata):
+        summary = summary_of(snapshot)
+        found = _stream_checkpoint(snapshot, summary)
+        if found is not None and found[1] > recorded.get(found[0], 0):
+            missing.append((*found, snapshot))
+    if not missing:
+        return 0
+    missing.sort(key=lambda m: (m[0], m[1]))
+    rows = pa.concat_tables([_rows_from_history(cdc, stream, checkpoint_id, snapshot) for stream, checkpoint_id, snapshot in missing])
+    record_rows(catalog, identifier, rows, contiguous=False)
+    log.info("%s: ledger reconciled %d checkpoint(s) from the CDC history", identifier, len(missing))
+    return rows.num_rows
+
+
+def _rows_from_history(cdc: Table, stream: str, checkpoint_id: int, snapshot: Snapshot) -> pa.Table:
+    summary = summary_of(snapshot)
+    checkpoint = Checkpoint.of_commit(stream, checkpoint_id, snapshot)
+    if stream == REPLAY_STREAM:
+        hour = to_us(parse_iso(summary[K.REPLAY_HOUR]))
+        row = _row(checkpoint, hour, int(summary.get(K.REPLAY_ADDED_RECORDS, "0")), int(summary.get(K.LATE_RECORDS, "0")))
+        return _table([row])
+    records = read_files(cdc, _added_files(cdc, snapshot), deletes=[])
+    event_time = pc.cast(records.column("event_time"), pa.int64()).to_numpy(zero_copy_only=False)
+    arrival = records.column(ARRIVAL_TIME) if ARRIVAL_TIME in records.schema.names else None
+    return checkpoint_rows(checkpoint, event_time, arrival)
+
+
+def _added_files(table: Table, snapshot: Snapshot) -> list[DataFile]:
+    """The data files `snapshot` itself added (its manifests' ADDED entries of its own id)."""
+    out = []
+    for manifest in snapshot.manifests(table.io):
+        if manifest.content != ManifestContent.DATA or manifest.added_snapshot_id != snapshot.snapshot_id:
+            continue
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+            if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snapshot.snapshot_id:
+                out.append(entry.data_file)
+    return out
+
+
+def _late_by_hour(summary: Mapping[str, str]) -> dict[int, int]:
+    text = summary.get(K.LATE_RECORDS_BY_HOUR)
+    return {to_us(parse_iso(h)): int(n) for h, n in json.loads(text).items()} if text else {}
+
+
+def _dotted(table: Table) -> str:
+    name = table.name()
+    return name if isinstance(name, str) else ".".join(name)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_ledger(catalog: Catalog, cdc_identifier: str, *, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
+    """The ledger's rows (all columns, or `columns`), oldest checkpoint first; empty when there is no ledger yet."""
+    names = list(columns) if columns is not None else LEDGER_ARROW_SCHEMA.names
+    try:
+        ledger = catalog.load_table(ledger_identifier(cdc_identifier))
+    except (NoSuchTableError, NoSuchNamespaceError):
+        data = LEDGER_ARROW_SCHEMA.empty_table().select(names)
+    else:
+        data = ledger.scan(selected_fields=tuple(names)).to_arrow() if ledger.current_snapshot() is not None else \
+            LEDGER_ARROW_SCHEMA.empty_table().select(names)
+    frame = pl.from_arrow(data)
+    assert isinstance(frame, pl.DataFrame)
+    order = [c for c in ("commit_time", "stream", "checkpoint_id", "hour") if c in names]
+    return frame.sort(order, nulls_last=False) if order else frame
+
+
+HOUR_TOTALS_SCHEMA = {
+    "hour": pl.Datetime("us", "UTC"), "records": pl.Int64, "late_records": pl.Int64, "checkpoints": pl.UInt32,
+    "event_time_min": pl.Datetime("us", "UTC"), "event_time_max": pl.Datetime("us", "UTC"),
+    "p50": pl.Datetime("us", "UTC"), "p99": pl.Datetime("us", "UTC"),
+    "first_arrival": pl.Datetime("us", "UTC"), "last_arrival": pl.Datetime("us", "UTC"),
+    "first_commit": pl.Datetime("us", "UTC"), "last_commit": pl.Datetime("us", "UTC"),
+}
+
+
+def hour_totals(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Per event hour: records, late records, checkpoints, event-time min/max/p50/p99, first/last arrival and commit.
+
+    Arrival is the source's (`arrival_min/max`), else the commit's clock. p50/p99 merge the rows'
+    event-time digests (null when no row of the hour has one, as for replays alone).
+    """
+    rows = ledger.filter(pl.col("hour").is_not_null())
+    if rows.is_empty():
+        return pl.DataFrame(schema=HOUR_TOTALS_SCHEMA)
+    totals = rows.group_by("hour").agg(
+        pl.col("records").sum(),
+        pl.col("late_records").sum(),
+        pl.len().alias("checkpoints"),
+        pl.col("event_time_min").min(),
+        pl.col("event_time_max").max(),
+        pl.coalesce("arrival_min", "commit_time").min().alias("first_arrival"),
+        pl.coalesce("arrival_max", "commit_time").max().alias("last_arrival"),
+        pl.col("commit_time").min().alias("first_commit"),
+        pl.col("commit_time").max().alias("last_commit"),
+        pl.col("event_time_digest").drop_nulls().alias("digests"),
+    )
+    p50, p99 = [], []
+    for digests, low, high in zip(totals["digests"].to_list(), totals["event_time_min"].to_list(), totals["event_time_max"].to_list()):
+        if not digests:
+            p50.append(None)
+            p99.append(None)
+            continue
+        merged = digest_from_dict(json.loads(digests[0]))
+        for text in digests[1:]:
+            merged = merged.merge(digest_from_dict(json.loads(text)))
+        bound = (to_us(low), to_us(high))
+        p50.append(_clamped_us(merged.quantile(0.5), bound))
+        p99.append(_clamped_us(merged.quantile(0.99), bound))
+    return (
+        totals.drop("digests")
+        .with_columns(pl.Series("p50", p50, pl.Int64).cast(pl.Datetime("us", "UTC")),
+                      pl.Series("p99", p99, pl.Int64).cast(pl.Datetime("us", "UTC")))
+        .select(list(HOUR_TOTALS_SCHEMA))
+        .sort("hour")
+    )
+
+
+def _clamped_us(seconds: float, bound: tuple[int, int]) -> int:
+    return min(max(int(round(seconds * US_PER_SECOND)), bound[0]), bound[1])
