@@ -133,3 +133,207 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
     assert sum(expected.values()) > 1000
     assert written == expected  # every change exactly once: by key, op, event time and offset
     assert observed == sorted(observed)
+
+
+HOUR_MS = 3_600_000
+
+
+def per_minute(partition_ids, start_min: int, end_min: int, *, version0: int = 1) -> list:
+    """One update per minute of source time in [start_min, end_min), cycling over the partition's ids."""
+    return [dbz.change(partition_ids[m % len(partition_ids)], "u", T0_MS + m * 60_000, version=version0 + m)
+            for m in range(start_min, end_min)]
+
+
+def produce_to(cluster, partition: int, messages) -> None:
+    produce(cluster, TOPIC, messages, partitions=[partition] * len(messages))
+
+
+def watermark_hour(home) -> int | None:
+    """The watermark of cdc.orders in hours after T0 (None: none yet)."""
+    text = load_partfin_catalog(home).load_table("cdc.orders").properties.get(K.PROP_WATERMARK)
+    return None if text is None else (to_us(parse_iso(text)) // 1000 - T0_MS) // HOUR_MS
+
+
+def partfin_cli(home, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "partfin_assets.cli", *args], env={**os.environ, "PARTFIN_HOME": str(home)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_stalled_partition_holds_the_watermark_until_it_catches_up_or_is_idle(tmp_path, kafka_cluster):
+    """Partitions 0 and 1 carry ten hours of changes, partition 2 stops after 30 minutes (a stalled
+    connector task): the watermark stays at partition 2's hour; it moves once partition 2 catches
+    up, and past a partition that stays silent once that one is idle (the streams' idle timeout)."""
+    kafka_cluster.create_topic(TOPIC, 3)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    ids = {0: list(range(0, 10)), 1: list(range(10, 20)), 2: list(range(20, 30))}
+    produce_to(kafka_cluster, 0, per_minute(ids[0], 0, 600))
+    produce_to(kafka_cluster, 1, per_minute(ids[1], 0, 600))
+    produce_to(kafka_cluster, 2, per_minute(ids[2], 0, 30))
+    run_ingest(home, spec, "--checkpoint-records", "50")
+    assert watermark_hour(home) in (None, 0)  # partition 2 has only hour 0; the others would allow hour 7
+
+    streams = {row["stream"]: row for row in json.loads(partfin_cli(home, "streams", "list", "--table", "orders", "--json"))["streams"]}
+    partitions = {f"orders-writer/{TOPIC}-{p}" for p in range(3)}
+    assert partitions <= set(streams) and streams["orders-writer"]["state"] == "retired"
+    assert all(streams[s]["state"] == "active" for s in partitions)
+    assert streams[f"orders-writer/{TOPIC}-2"]["progress"].startswith("2026-11-01T00:00")
+    assert streams[f"orders-writer/{TOPIC}-0"]["progress"] >= "2026-11-01T07:00"
+
+    produce_to(kafka_cluster, 2, per_minute(ids[2], 30, 600))  # partition 2 catches up
+    run_ingest(home, spec, "--checkpoint-records", "50")
+    assert watermark_hour(home) == 7
+
+    # partitions 0 and 1 go on to hour 20; partition 2 stays silent past the idle timeout
+    produce_to(kafka_cluster, 0, per_minute(ids[0], 600, 1200))
+    produce_to(kafka_cluster, 1, per_minute(ids[1], 600, 1200))
+    partfin_cli(home, "streams", "idle-timeout", "--table", "orders", "1s")
+    time.sleep(2)
+    run_ingest(home, spec, "--checkpoint-records", "50")
+    assert watermark_hour(home) == 17
+    streams = {row["stream"]: row for row in json.loads(partfin_cli(home, "streams", "list", "--table", "orders", "--json"))["streams"]}
+    assert streams[f"orders-writer/{TOPIC}-2"]["state"] == "idle"
+
+
+def heartbeat(ts_ms: int, *, schema: bool) -> dbz.DebeziumMessage:
+    """A Debezium heartbeat message (heartbeat.interval.ms), as the connector writes it."""
+    value = {"ts_ms": ts_ms}
+    if schema:
+        value = {"schema": {"type": "struct", "name": "io.debezium.connector.common.Heartbeat", "optional": False,
+                            "fields": [{"type": "int64", "optional": False, "field": "ts_ms"}]}, "payload": value}
+    return dbz.DebeziumMessage(b'{"serverName":"dbserver1"}', json.dumps(value).encode(), ts_ms)
+
+
+def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
+    """Bad messages go to cdc.orders__rejected with topic, partition and offset and reading goes on;
+    tombstones carry no change but are read past; heartbeats of a partition move its progress."""
+    kafka_cluster.create_topic(TOPIC, 3)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    bad = {
+        b"not json at all": "invalid JSON",
+        json.dumps({"op": "u", "after": {"id": 1}, "source": {}}).encode(): "ts_ms",
+        json.dumps({"op": "x", "after": {"id": 1}, "source": {"ts_ms": T0_MS}, "ts_ms": T0_MS}).encode(): "op",
+    }
+    for partition in range(3):
+        ids = list(range(partition * 10, partition * 10 + 10))
+        history = [dbz.change(i, "c", T0_MS + n * 60_000, version=0) for n, i in enumerate(ids)]
+        history += [dbz.change(ids[0], "d", T0_MS + 2 * 3_600_000), dbz.tombstone(ids[0], T0_MS + 2 * 3_600_000)]
+        history += [dbz.DebeziumMessage(b'{"id":1}', value, T0_MS) for value in bad]
+        history += [dbz.change(ids[1], "u", T0_MS + 2 * 3_600_000 + 60_000, version=1, schema=True)]
+        # heartbeats, two minutes apart (each commits: the writer's heartbeat interval is 60 s)
+        history += [heartbeat(T0_MS + 5 * 3_600_000 + k * 120_000, schema=k % 2 == 0) for k in range(3)]
+        produce_to(kafka_cluster, partition, history)
+    stderr = run_ingest(home, spec, "--checkpoint-records", "4")
+    assert "rejected 9" in stderr.splitlines()[-1]
+
+    catalog = load_partfin_catalog(home)
+    rejected = catalog.load_table("cdc.orders__rejected").scan().to_arrow().sort_by([("kafka_partition", "ascending"), ("kafka_offset", "ascending")])
+    assert rejected.num_rows == 9  # each exactly once, though every partition has them at the same offsets
+    assert rejected.column("kafka_topic").to_pylist() == [TOPIC] * 9
+    assert rejected.column("kafka_partition").to_pylist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert rejected.column("kafka_offset").to_pylist() == [12, 13, 14] * 3
+    assert rejected.column("source_seq").to_pylist() == rejected.column("kafka_offset").to_pylist()
+    for raw, reason in zip(rejected.column("raw").to_pylist(), rejected.column("reason").to_pylist()):
+        assert bad[raw.encode()] in reason
+
+    cdc = cdc_rows(home)
+    assert cdc.num_rows == 3 * 12  # 10 creates, a delete, an update (with the schema envelope) per partition
+    assert sorted(Counter(cdc.column("op").to_pylist()).items()) == [("c", 30), ("d", 3), ("u", 3)]
+    assert watermark_hour(home) == 5  # the heartbeats of every partition, past the changes of hour 2
+
+    table = catalog.load_table("cdc.orders")
+    offsets = json.loads(table.properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"]
+    assert json.loads(offsets) == {"topic": TOPIC, "partitions": {"0": 19, "1": 19, "2": 19}}  # tombstones read past
+
+    # a second run finds nothing new and rejects nothing twice
+    run_ingest(home, spec, "--checkpoint-records", "4")
+    assert catalog.load_table("cdc.orders__rejected").scan().to_arrow().num_rows == 9
+    assert cdc_rows(home).num_rows == 36
+
+
+def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def assignments(log_path) -> list[list[int]]:
+    """The partitions a `partfin -v ingest` process was assigned, in order (from its log)."""
+    found = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if "assigned partitions" in line:
+            found.append(json.loads(line.rsplit("assigned partitions", 1)[1].strip()))
+    return found
+
+
+def test_a_second_consumer_and_a_killed_one_rebalance_without_losing_or_doubling(tmp_path, kafka_cluster):
+    """Two `partfin ingest --follow` processes in one group share the topic's partitions while a
+    producer adds messages; one is killed with -9 and the group gives its partitions to the other;
+    a third joins. Every message lands once. (The mock cluster cannot add partitions to a topic;
+    a new member joining is the rebalance partfin sees then too: a partition it never read starts
+    at its log start.)"""
+    kafka_cluster.create_topic(TOPIC, 3)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    messages: list = []
+    delivered: list = []
+
+    def produce_round() -> None:
+        start = len(messages)
+        more = dbz.row_history(range(start, start + 90), T0_MS + start * 60_000, updates=2, delete_every=9)
+        delivered.extend(produce(kafka_cluster, TOPIC, more))
+        messages.extend(more)
+
+    def caught_up() -> bool:
+        return (home / "catalog.db").exists() and load_partfin_catalog(home).table_exists("cdc.orders") and \
+            events(cdc_rows(home)) == expected_events(messages, delivered)
+
+    processes = {}
+
+    def start(name: str) -> subprocess.Popen:
+        log = tmp_path / f"{name}.log"
+        environment = {**os.environ, "PARTFIN_HOME": str(home)}
+        environment.pop("PARTFIN_CRASH_AT", None)
+        command = [sys.executable, "-m", "partfin_assets.cli", "-v", "ingest", "--table", "orders", "--source", spec,
+                   "--primary-key", "id", "--checkpoint-records", "30", "--follow"]
+        with open(log, "wb") as out:
+            processes[name] = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=out)
+        return processes[name]
+
+    try:
+        produce_round()
+        start("a")
+        wait_for(lambda: load_partfin_catalog(home).table_exists("cdc.orders") if (home / "catalog.db").exists() else False, "a's first checkpoint")
+        start("b")
+        wait_for(lambda: any(0 < len(a) < 3 for a in assignments(tmp_path / "b.log")), "b's share of the partitions")
+        produce_round()
+        wait_for(caught_up, "both consumers to ingest round 2")
+        assert any(0 < len(a) < 3 for a in assignments(tmp_path / "a.log"))  # a gave partitions to b
+
+        processes["a"].send_signal(signal.SIGKILL)  # a consumer dies: its partitions go to b after its session
+        processes["a"].wait(30)
+        produce_round()
+        wait_for(lambda: [0, 1, 2] in assignments(tmp_path / "b.log"), "b to take every partition")
+        wait_for(caught_up, "b to ingest round 3")
+
+        start("c")  # a new member: the partitions are shared again
+        wait_for(lambda: any(0 < len(a) < 3 for a in assignments(tmp_path / "c.log")), "c's share of the partitions")
+        produce_round()
+        wait_for(caught_up, "b and c to ingest round 4")
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in processes.values():
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    assert processes["b"].returncode in (0, 130) and processes["c"].returncode in (0, 130)
+    run_ingest(home, spec, "--checkpoint-records", "30")
+    assert events(cdc_rows(home)) == expected_events(messages, delivered)

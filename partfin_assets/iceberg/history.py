@@ -45,9 +45,9 @@ def summary_of(snapshot: Snapshot) -> dict[str, str]:
 
 
 def recent_commit_stats(
-    metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None
+    metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None, stream_id: str | None = None
 ) -> list[CommitStats]:
-    """The last `limit` stats-bearing commits of the main branch (of one writer, if given), newest first."""
+    """The last `limit` stats-bearing commits of the main branch (of one writer / progress stream, if given), newest first."""
     found: list[CommitStats] = []
     if limit <= 0:
         return found
@@ -55,12 +55,19 @@ def recent_commit_stats(
         summary = summary_of(snapshot)
         if writer_id is not None and summary.get(K.WRITER_ID) != writer_id:
             continue
+        if stream_id is not None and commit_stream(summary) != stream_id:
+            continue
         entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest)
         if entry is not None:
             found.append(entry)
             if len(found) == limit:
                 break
     return found
+
+
+def commit_stream(summary: Mapping[str, str]) -> str | None:
+    """The progress stream a checkpoint belongs to: its partition's (Kafka), else its writer's."""
+    return summary.get(K.STREAM) or summary.get(K.WRITER_ID)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,10 @@ REJECTED_SCHEMA = Schema(
     NestedField(3, "source_seq", LongType(), required=True),
     NestedField(4, "raw", StringType(), required=True),
     NestedField(5, "reason", StringType(), required=True),
+    # where a Kafka message came from (null for other sources): its topic, partition and offset
+    NestedField(6, "kafka_topic", StringType(), required=False),
+    NestedField(7, "kafka_partition", IntegerType(), required=False),
+    NestedField(8, "kafka_offset", LongType(), required=False),
 )
 
 # <cdc table>__ledger: the durable late-data ledger (iceberg/ledger.py), one row per (stream, checkpoint, event hour)
@@ -105,15 +109,17 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
     )
     _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     ensure_ledger_table(catalog, spec.cdc_identifier)
-    _add_missing_cdc_columns(catalog, spec.cdc_identifier)
+    _add_missing_columns(catalog, spec.cdc_identifier, CDC_SCHEMA)
+    _add_missing_columns(catalog, spec.rejected_identifier, REJECTED_SCHEMA)
     return ensure_managed_properties(catalog, spec.cdc_identifier)
 
 
-def _add_missing_cdc_columns(catalog: Catalog, identifier: str) -> None:
-    """A table created before a nullable CDC column existed (`arrival_time`) gets it: its old rows read null."""
+def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> None:
+    """A table created before a nullable column existed (cdc: `arrival_time`; rejected: the Kafka position)
+    gets it: its old rows read null."""
     table = catalog.load_table(identifier)
     names = {f.name for f in table.schema().fields}
-    missing = [f for f in CDC_SCHEMA.fields if f.name not in names and not f.required]
+    missing = [f for f in schema.fields if f.name not in names and not f.required]
     if not missing:
         return
     try:

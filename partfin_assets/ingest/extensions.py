@@ -56,6 +56,13 @@ class CommitContext:
     # the writer's progress stream (iceberg/streams.py): its watermark candidate after this commit;
     # comes in as the stream's current one, the watermark processor sets it
     stream_progress_us: int | None = None
+    # the progress stream this checkpoint belongs to: the writer's own, or a source partition's
+    # (`<writer id>/<topic>-<partition>`); None: the writer's own
+    stream_id: str | None = None
+
+    @property
+    def stream(self) -> str:
+        return self.stream_id or self.writer_id
 
 
 class CommitProcessor:

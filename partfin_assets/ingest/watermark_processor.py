@@ -79,7 +79,7 @@ def table_candidate(ctx: CommitContext) -> int | None:
     registered but has not committed stats holds the watermark, whatever the others did.
     """
     others = active_streams(ctx.table.metadata.properties, ctx.clock_us)
-    others.pop(ctx.writer_id, None)
+    others.pop(ctx.stream, None)
     if ctx.stream_progress_us is None or not others:
         return ctx.stream_progress_us
     floor = progress_floor(others)
@@ -89,9 +89,10 @@ def table_candidate(ctx: CommitContext) -> int | None:
 class WatermarkProcessor(CommitProcessor):
     """Advances partfin.watermark in the same commit as the data; counts and alerts on late records.
 
-    The policy runs over the committing writer's own last X commits (its stream's candidate);
-    the table's candidate is the minimum over its active streams (iceberg/streams.py), so one
-    writer never moves the watermark past data another has not committed yet.
+    The policy runs over the last X commits of the committing stream (the writer's own, or the
+    source partition's the batch came from: its candidate); the table's candidate is the minimum
+    over its active streams (iceberg/streams.py), so neither a writer nor a Kafka partition ever
+    moves the watermark past data another has not committed yet.
 
     Time from the future: event times (or a heartbeat) beyond the commit's clock plus the table's
     tolerance are suspect -- a source clock ahead of ours, local time stored as UTC. They are
@@ -127,7 +128,8 @@ class WatermarkProcessor(CommitProcessor):
             this_commit = [CommitStats(None, heartbeat, event_times.stats)]
         if this_commit:  # a commit without stats leaves its stream's progress where it is
             window = this_commit + recent_commit_stats(
-                metadata, policy.lookback - 1, with_digest=policy.quantile is not None, writer_id=ctx.writer_id
+                metadata, policy.lookback - 1, with_digest=policy.quantile is not None, writer_id=ctx.writer_id,
+                stream_id=ctx.stream,
             )
             candidate = policy.candidate_us(window)
             ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.clock_us))

@@ -36,7 +36,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_due
 from partfin_assets.iceberg.files import delete_files, write_data_files
-from partfin_assets.iceberg.history import lineage, recorded_source, summary_of
+from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
 from partfin_assets.iceberg.streams import CommittedPosition, Stream, register_stream, stream_property, streams_of, writer_position
 from partfin_assets.iceberg.tables import ensure_cdc_tables
@@ -121,7 +121,8 @@ class CdcWriter:
         reconcile(catalog, self.table)
         self._ledger = LedgerAppender(catalog, spec.cdc_identifier)
         self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
-        self._source_clock_us = self._committed_source_clock_us()
+        self._source_clocks: dict[str, int | None] = {}  # per progress stream, read from the history when first needed
+        self._source_streams: tuple[str, ...] = ()  # the partitions the source reads now (Kafka), as stream ids
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
         # with accumulators registered, each subtask's files are written on a thread of their own
         self._file_pool = ThreadPoolExecutor(max_workers=subtasks) if self.accumulators else None
@@ -152,7 +153,8 @@ class CdcWriter:
         except ValueError as exc:
             raise ValueError(f"{self.spec.name}: {exc}") from None
         heartbeat_us = to_us(batch.heartbeat) if batch.heartbeat is not None else None
-        if records.num_rows == 0 and batch.rejected.num_rows == 0 and not self._heartbeat_due(heartbeat_us):
+        stream_id = self.stream_id(batch.stream)
+        if records.num_rows == 0 and batch.rejected.num_rows == 0 and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
@@ -166,6 +168,8 @@ class CdcWriter:
             K.CHECKPOINT_ID: str(checkpoint_id),
             K.SOURCE_OFFSET: batch.offset,
         }
+        if batch.stream is not None:
+            base_summary[K.STREAM] = stream_id
         if self.source_identity is not None:
             base_summary[K.SOURCE] = self.source_identity.to_json()
         for acc in self.accumulators:
@@ -187,14 +191,15 @@ class CdcWriter:
                 fenced.append(committed)
                 return None
             clock_us = to_us(self.clock())
-            stream = streams_of(table.properties).get(self.writer_id) or Stream(self.writer_id, self.writer_id, None, clock_us)
+            streams = streams_of(table.properties)
+            stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
             ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
-                                stream_progress_us=stream.progress_us)
+                                stream_progress_us=stream.progress_us, stream_id=stream_id)
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
             observed = self._source_clock_of(records, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
-            source_clock = max((t for t in (self._source_clock_us, observed) if t is not None), default=None)
+            source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
             source_clocks.append(source_clock)
             source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
             summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)}, commit_id, JobKind.INTO)
@@ -203,7 +208,8 @@ class CdcWriter:
                 for data_file in data_files:
                     append.append_data_file(data_file)
             stream = replace(stream, progress_us=ctx.stream_progress_us, seen_us=clock_us, retired=False)
-            tx.set_properties({**ctx.properties, **position_property, **stream_property(stream)})
+            partition_streams = self._partition_streams(streams, clock_us) if batch.stream is not None else {}
+            tx.set_properties({**ctx.properties, **position_property, **partition_streams, **stream_property(stream)})
             return tx
 
         try:
@@ -219,7 +225,7 @@ class CdcWriter:
         crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, batch.offset))
-        self._source_clock_us = source_clocks[-1]
+        self._source_clocks[stream_id] = source_clocks[-1]
         snapshot = result.snapshot
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
@@ -290,13 +296,18 @@ class CdcWriter:
         rows = batch.rejected.append_column("writer_id", pa.array([self.writer_id] * count, pa.string())).append_column(
             "checkpoint_id", pa.array([checkpoint_id] * count, pa.int64())
         )
-        rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason"])
+        for name, data_type in _KAFKA_POSITION.items():  # where a Kafka message came from; null for other sources
+            if name not in rows.column_names:
+                rows = rows.append_column(name, pa.nulls(count, data_type))
+        rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason", *_KAFKA_POSITION])
         first, last = pc.min_max(rows.column("source_seq")).values()
 
         def build(table: Table, commit_id: str):
             in_range = And(GreaterThanOrEqual("source_seq", first.as_py()), LessThanOrEqual("source_seq", last.as_py()))
-            there = table.scan(row_filter=And(EqualTo("writer_id", self.writer_id), in_range), selected_fields=("source_seq",)).to_arrow()
-            new = rows.filter(pc.invert(pc.is_in(rows.column("source_seq"), there.column("source_seq"))))
+            position = ("source_seq", "kafka_topic", "kafka_partition")  # a Kafka offset is a position within its partition
+            there = table.scan(row_filter=And(EqualTo("writer_id", self.writer_id), in_range), selected_fields=position).to_arrow()
+            seen = set(zip(*(there.column(c).to_pylist() for c in position)))
+            new = rows.filter(pa.array([p not in seen for p in zip(*(rows.column(c).to_pylist() for c in position))], pa.bool_()))
             if new.num_rows == 0:
                 return None
             tx = new_transaction(table)
@@ -306,9 +317,35 @@ class CdcWriter:
         commit_with_retry(self.catalog, self.spec.rejected_identifier, build)
         return count
 
-    # ---- idle sources: heartbeats follow the source's processing time
+    # ---- progress streams of a partitioned source
 
-    def _heartbeat_due(self, heartbeat_us: int | None) -> bool:
+    def stream_id(self, partition: str | None) -> str:
+        """The progress stream of a batch: the writer's own, or `<writer id>/<partition>` (a Kafka topic partition)."""
+        return self.writer_id if partition is None else f"{self.writer_id}/{partition}"
+
+    def _partition_streams(self, streams: dict[str, Stream], clock_us: int) -> dict[str, str]:
+        """Stream entries a partition's checkpoint adds: every partition the source reads now holds the
+        watermark from its first checkpoint on (one that delivers nothing holds it until it is idle), and
+        the writer's own stream, which its partitions replace, is retired."""
+        entries: dict[str, str] = {}
+        for stream_id in self._source_streams:
+            known = streams.get(stream_id)
+            if known is None or known.retired:
+                fresh = Stream(stream_id, self.writer_id, None, clock_us) if known is None else replace(known, retired=False, seen_us=clock_us)
+                entries.update(stream_property(fresh))
+        own = streams.get(self.writer_id)
+        if own is not None and not own.retired:
+            entries.update(stream_property(replace(own, retired=True)))
+        return entries
+
+    # ---- idle sources: heartbeats follow the source's processing time (per progress stream)
+
+    def _source_clock(self, stream_id: str) -> int | None:
+        if stream_id not in self._source_clocks:
+            self._source_clocks[stream_id] = self._committed_source_clock_us(stream_id)
+        return self._source_clocks[stream_id]
+
+    def _heartbeat_due(self, stream_id: str, heartbeat_us: int | None) -> bool:
         """A heartbeat commits once the source's clock moved a heartbeat interval past the last checkpoint's.
 
         Compared with the source's processing time (heartbeats, arrival times), never with event
@@ -316,7 +353,8 @@ class CdcWriter:
         """
         if heartbeat_us is None:
             return False
-        return self._source_clock_us is None or heartbeat_us - self._source_clock_us >= self.heartbeat_interval_us
+        source_clock = self._source_clock(stream_id)
+        return source_clock is None or heartbeat_us - source_clock >= self.heartbeat_interval_us
 
     def _source_clock_of(self, records: pa.Table, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
         """The source's processing time as of a checkpoint: its heartbeat, else its records' latest arrival,
@@ -334,11 +372,11 @@ class CdcWriter:
                 return int(event_times.event_time_us[plausible - 1])
         return None
 
-    def _committed_source_clock_us(self) -> int | None:
-        """The source clock this writer's newest checkpoint recorded (older tables: its heartbeat or plausible max)."""
+    def _committed_source_clock_us(self, stream_id: str) -> int | None:
+        """The source clock the stream's newest checkpoint recorded (older tables: its heartbeat or plausible max)."""
         for snapshot in lineage(self.table.metadata):
             summary = summary_of(snapshot)
-            if summary.get(K.WRITER_ID) != self.writer_id:
+            if summary.get(K.WRITER_ID) != self.writer_id or commit_stream(summary) != stream_id:
                 continue
             if K.SOURCE_CLOCK in summary:
                 return to_us(parse_iso(summary[K.SOURCE_CLOCK]))
@@ -376,6 +414,7 @@ class CdcWriter:
         identifier = self.spec.cdc_identifier
         committed = 0
         on_committed = getattr(source, "on_committed", None)
+        assigned_streams = getattr(source, "assigned_streams", None)
         recorded = recorded_source(self.table.metadata, self.writer_id)  # each writer id reads a source of its own
         self.source_identity = check_source(identifier, recorded, source, self.resume_offset)
         try:
@@ -384,6 +423,8 @@ class CdcWriter:
                 try:
                     for batch in batches:
                         self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
+                        if assigned_streams is not None:  # the partitions it reads now: each a progress stream
+                            self._source_streams = tuple(self.stream_id(p) for p in assigned_streams())
                         try:
                             result = self.write_checkpoint(batch)
                         except WriterFenced as fenced:
@@ -411,6 +452,9 @@ class CdcWriter:
                 f"{identifier} cannot go on reading {self.source_identity.spec}: {exc}. Restore what it was reading, "
                 "or ingest the new source into a new table"
             ) from None
+
+
+_KAFKA_POSITION = {"kafka_topic": pa.string(), "kafka_partition": pa.int32(), "kafka_offset": pa.int64()}
 
 
 def route_by_key(records: pa.Table, subtasks: int) -> list[pa.Table]:

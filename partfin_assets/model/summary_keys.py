@@ -29,6 +29,7 @@ SUSPECT_FUTURE = "partfin.suspect-future"
 # the source's processing time as of the checkpoint (ISO Z): its heartbeat, else its records' latest arrival
 # time, else their latest plausible event time; heartbeats are rate-limited on it, never on event times
 SOURCE_CLOCK = "partfin.source-clock"
+STREAM = "partfin.stream"  # the progress stream a checkpoint belongs to, when not its writer's own (Kafka: <writer id>/<topic>-<partition>)
 SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
 COMMIT_CLOCK = "partfin.commit-clock"  # ISO Z: the writer's clock for this checkpoint (the ledger's commit_time)
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes

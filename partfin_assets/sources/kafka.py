@@ -35,7 +35,8 @@ so every checkpoint belongs to one partition's progress stream (iceberg/streams.
 watermark is the minimum over partitions, and a partition that stops producing holds it back
 until it catches up or is idle by the streams' rule. Message values are decoded by the one
 Debezium decoder (sources/debezium_json.py), with or without the schema envelope; `source_seq`
-is the message's offset in its partition. Tombstones (null values) carry no change and are
+is the message's offset in its partition; `arrival_time` is Debezium's envelope `ts_ms`, else the
+message's Kafka timestamp. Tombstones (null values) carry no change and are
 consumed; Debezium heartbeat messages become heartbeat batches of their partition. A message
 that is not a change event (not JSON, no `ts_ms`, an unknown `op`, ...) goes to
 `cdc.<table>__rejected` with its topic, partition and offset, and reading goes on.
@@ -52,14 +53,14 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
 from partfin_assets.model.errors import SourceError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch, implausible_event_time
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us, parse_duration
@@ -350,7 +351,7 @@ class KafkaSource:
             decoded = self.decoder.decode(value)
         except RejectedMessage as reason:
             raw = value.decode("utf-8", errors="replace") if value is not None else ""
-            pending.rejected.append((offset, raw, f"topic {self.spec.topic} partition {partition} offset {offset}: {reason}"))
+            pending.rejected.append((offset, raw, str(reason)))
             pending.next_offset = offset + 1
             return
         if isinstance(decoded, DecodedHeartbeat):  # a batch of its own, after what came before it
@@ -361,6 +362,10 @@ class KafkaSource:
                               stream=self.stream_of(partition))
             return
         if decoded is not None:
+            if decoded.arrival_us is None:  # no envelope ts_ms: the message's timestamp is the arrival
+                kind, timestamp_ms = message.timestamp()
+                if kind != TIMESTAMP_NOT_AVAILABLE and implausible_event_time(timestamp_ms * 1000) is None:
+                    decoded = replace(decoded, arrival_us=timestamp_ms * 1000)
             pending.changes.append((offset, decoded))
         pending.next_offset = offset + 1  # a tombstone is consumed too
         if len(pending.changes) + len(pending.rejected) >= max_records:
@@ -370,16 +375,24 @@ class KafkaSource:
         pending = self._pending.pop(partition)
         assert pending.next_offset is not None
         self._positions[partition] = pending.next_offset
+        offsets = pa.array([offset for offset, _, _ in pending.rejected], pa.int64())
+        count = len(offsets)
         rejected = pa.table(
             {
-                "source_seq": pa.array([offset for offset, _, _ in pending.rejected], pa.int64()),
+                "source_seq": offsets,
                 "raw": pa.array([raw for _, raw, _ in pending.rejected], pa.string()),
                 "reason": pa.array([reason for _, _, reason in pending.rejected], pa.string()),
             },
             schema=REJECTED_RECORD_SCHEMA,
         )
+        rejected = rejected.append_column("kafka_topic", pa.array([self.spec.topic] * count, pa.string())).append_column(
+            "kafka_partition", pa.array([partition] * count, pa.int32())).append_column("kafka_offset", offsets)
         return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset(), rejected=rejected,
                            stream=self.stream_of(partition))
+
+    def assigned_streams(self) -> list[str]:
+        """The partitions this source reads now (its share of the group), as `<topic>-<partition>`."""
+        return [self.stream_of(p) for p in sorted(self._assigned or ())]
 
     def stream_of(self, partition: int) -> str:
         """The partition's name, as Kafka tools write it: `<topic>-<partition>`."""
