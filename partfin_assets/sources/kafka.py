@@ -7,7 +7,7 @@ BOOTSTRAP is librdkafka's `bootstrap.servers`; after `#` come the topic and opti
 - `group=NAME`: the consumer group (default `partfin-<table>`). It only spreads the topic's
   partitions over the processes that read it (and tells lag monitors how far they are): where
   reading resumes is never taken from the group but from the checkpoint (below).
-- `poll_timeout=1s`, `idle_batch_every=10s`: how long one fetch waits; how often a following
+- `poll_timeout=0.2s`, `idle_batch_every=10s`: how long one fetch waits; how often a following
   source with nothing new yields an empty batch so its caller regains control.
 - any name with a dot is a librdkafka consumer property, passed through as it is
   (`security.protocol=SASL_SSL`, `sasl.mechanism=SCRAM-SHA-512`, `sasl.username=cdc`,
@@ -70,6 +70,9 @@ from partfin_assets.sources.debezium_json import DebeziumJsonDecoder, DecodedCha
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PARTFIN_KAFKA_"
+# messages taken per consume(): it returns once it has this many (or after poll_timeout), so a small
+# number keeps it from waiting for more than librdkafka has fetched
+_FETCH_MESSAGES = 500
 # property names whose values are secrets: only from the environment, always redacted
 _SECRET_PROPERTY = re.compile(r"password|secret|\.pem$|oauthbearer\.config|^ssl\.key\.|^ssl\.keystore\.", re.IGNORECASE)
 # properties partfin sets itself: resuming from the table's offsets depends on them
@@ -94,7 +97,7 @@ class KafkaSpec:
     topic: str
     group: str | None = None
     properties: Mapping[str, str] = field(default_factory=dict)  # librdkafka properties from the spec (no secrets)
-    poll_timeout: float = 1.0
+    poll_timeout: float = 0.2
     idle_batch_every: float = 10.0
 
     @property
@@ -302,7 +305,7 @@ class KafkaSource:
         idle_since = time.monotonic()
         while True:
             self._raise_fatal()
-            messages = consumer.consume(min(max_records, 10_000), self.spec.poll_timeout)
+            messages = consumer.consume(min(max_records, _FETCH_MESSAGES), self.spec.poll_timeout)
             yielded = False
             for message in messages:
                 for batch in self._take(message, max_records):
