@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -21,6 +22,8 @@ from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.redaction import redact
+from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
 from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
@@ -63,14 +66,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    secrets = (getattr(args, "source", None), *Settings.from_env().secrets())
+    handler = logging.StreamHandler()
+    handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams}[args.command](args)
     except (PartfinError, ValueError) as exc:
-        print(f"partfin: error: {exc}", file=sys.stderr)
+        print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: its traceback, passwords masked
+        print(redact("".join(traceback.format_exception(exc)), *secrets), file=sys.stderr, end="")
+        return 1
+
+
+class _RedactingFormatter(logging.Formatter):
+    """Log lines (and the tracebacks they carry) with passwords masked."""
+
+    def __init__(self, fmt: str, secrets: tuple[str | None, ...]) -> None:
+        super().__init__(fmt)
+        self.secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record), *self.secrets)
 
 
 def _ingest(args: argparse.Namespace) -> int:

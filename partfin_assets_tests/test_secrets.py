@@ -8,6 +8,7 @@ error path is taken; their whole output is searched for the secret.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,21 +65,7 @@ CLI_CASES = [
     *[pytest.param({}, ["ingest", "--table", "orders", "--source", source], id=f"source-{name}") for name, source in SOURCES.items()],
 ]
 
-# the cases that show the secret today (measured before the fix)
-LEAKING_TODAY = {
-    "catalog-uri-query-status", "catalog-uri-query-upsert", "catalog-uri-query-ingest",
-    "catalog-uri-query-second-status", "catalog-uri-query-second-upsert", "catalog-uri-query-second-ingest",
-    "source-dsn-hash", "source-dsn-quoted", "source-unknown-option", "source-bad-option-value", "source-unknown-kind",
-}  # fmt: skip
-
-
-def _cli_params():
-    for case in CLI_CASES:
-        marks = [pytest.mark.xfail(strict=True, reason="issue 11 §4: the secret shows in this error")] if case.id in LEAKING_TODAY else []
-        yield pytest.param(*case.values, marks=marks, id=case.id)
-
-
-@pytest.mark.parametrize("env, command", list(_cli_params()))
+@pytest.mark.parametrize("env, command", CLI_CASES)
 def test_cli_error_and_logs_never_show_a_planted_secret(tmp_path, env, command):
     result = partfin(tmp_path, "-v", *command, env_extra=env, timeout=120)
     output = result.stdout + result.stderr
@@ -112,7 +99,6 @@ SECRET_ENV = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 §4: resource config is plain values: the UI shows the URI and the DSN")
 def test_ui_repository_snapshot_never_shows_a_planted_secret(tmp_path):
     result = dagster_subprocess(tmp_path, SNAPSHOT, SECRET_ENV)
     assert result.returncode == 0, result.stderr
@@ -142,19 +128,103 @@ RUN_CASES = {
     "source-dsn-quoted": {"PARTFIN_SOURCE": SOURCES["dsn-quoted"]},
     "source-uri-query": {"PARTFIN_SOURCE": SOURCES["uri-query"]},
 }
-RUN_LEAKING_TODAY = {"catalog-uri", "source-dsn-hash", "source-dsn-quoted"}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason="issue 11 §4: the run's error shows the secret")] if name in RUN_LEAKING_TODAY else [], id=name)
-        for name in RUN_CASES
-    ],
-)
+@pytest.mark.parametrize("case", list(RUN_CASES))
 def test_sync_run_logs_never_show_a_planted_secret(tmp_path, case):
     result = dagster_subprocess(tmp_path, SYNC_RUN, RUN_CASES[case])
     output = result.stdout + result.stderr  # event log records, the run record, Dagster's and Python's log lines
     print(f"\n{case}: exit {result.returncode}; secret shown: {leaks(output)}")
     assert "RUN SUCCESS False" in result.stdout, output[-3000:]
     assert not leaks(output), "the secret shows in: " + next(line for line in output.splitlines() if leaks(line))[:500]
+
+
+RESOURCES_QUERY = """
+{
+  allTopLevelResourceDetailsOrError(repositorySelector: {repositoryLocationName: "partfin_assets", repositoryName: "__repository__"}) {
+    __typename
+    ... on ResourceDetailsList { results { name description configFields { name description defaultValueAsJson } configuredValues { key value type } } }
+    ... on PythonError { message }
+  }
+}
+"""
+
+WORKSPACE_QUERY = """
+{
+  workspaceOrError {
+    __typename
+    ... on Workspace { locationEntries { name loadStatus locationOrLoadError {
+      __typename
+      ... on RepositoryLocation { repositories { name jobs { name description } sensors { name description }
+        assetNodes { id description metadataEntries { label description ... on TextMetadataEntry { text } } } } }
+      ... on PythonError { message stack }
+    } } }
+  }
+}
+"""
+
+
+def test_webserver_never_shows_a_planted_secret(tmp_path):
+    """A real dagster-webserver serves the code location: its GraphQL answers (what the UI renders) name the variables only."""
+    import socket
+    import urllib.request
+
+    from partfin_assets.testing import dagster_processes
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dagster_processes.dagster_env(tmp_path / "home", tmp_path / "dagster", **SECRET_ENV)
+    log = tmp_path / "webserver.log"
+    server = dagster_processes.DagsterProcess(
+        [dagster_processes.bin_path("dagster-webserver"), "-w", str(dagster_processes.REPO / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+        env, log,
+    ).start()
+
+    def graphql(query: str) -> str:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read().decode()
+
+    def loaded() -> str | None:
+        try:
+            answer = graphql(WORKSPACE_QUERY)
+        except OSError:
+            return None
+        return answer if '"loadStatus": "LOADED"' in answer.replace('":"', '": "') else None
+
+    try:
+        workspace = dagster_processes.wait_for(loaded, 240, "the webserver to load the code location", on_timeout=server.log_tail)
+        resources = graphql(RESOURCES_QUERY)
+    finally:
+        server.stop()
+    configured = {
+        (resource["name"], value["key"]): (value["type"], value["value"])
+        for resource in json.loads(resources)["data"]["allTopLevelResourceDetailsOrError"]["results"]
+        for value in resource["configuredValues"]
+    }
+    print(f"\nworkspace {len(workspace):,} chars, resources {len(resources):,} chars; configured: {configured}")
+    assert configured[("catalog", "uri")] == ("ENV_VAR", "PARTFIN_CATALOG_URI")
+    assert configured[("cdc_source", "source")] == ("ENV_VAR", "PARTFIN_SOURCE")
+    assert "RepositoryLocation" in workspace and "sync_orders" in workspace
+    for name, text in (("workspace", workspace), ("resources", resources), ("webserver log", log.read_text(errors="replace"))):
+        assert not leaks(text), f"the secret shows in the {name}"
+
+
+@pytest.mark.parametrize(
+    "argument, dsn, table, options",
+    [
+        (f"password={HASHED} dbname=shop", f"password={HASHED} dbname=shop", "public.orders", {}),
+        (f"password='{SECRET} #x' dbname=shop#sales.o", f"password='{SECRET} #x' dbname=shop", "sales.o", {}),
+        (f"password={HASHED} dbname=shop #o,slot=s", f"password={HASHED} dbname=shop", "public.o", {"slot": "s"}),
+        (f"postgresql://cdc:{HASHED}@db/shop#o", f"postgresql://cdc:{HASHED}@db/shop", "public.o", {}),
+        (f"postgresql://cdc@db/shop?password={HASHED}", f"postgresql://cdc@db/shop?password={HASHED}", "public.orders", {}),
+        ("host=db dbname=shop#o,heartbeat_interval=5s", "host=db dbname=shop", "public.o", {"heartbeat_interval": "5s"}),
+    ],
+)
+def test_a_hash_inside_a_password_belongs_to_the_password(argument, dsn, table, options):
+    from partfin_assets.sources.postgres import parse_postgres_spec
+
+    assert parse_postgres_spec(argument, "orders") == (dsn, table, options)

@@ -1,13 +1,19 @@
-"""Resources: the Iceberg catalog and the CDC source, configured from the environment."""
+"""Resources: the Iceberg catalog and the CDC source, configured from the environment through `dagster.EnvVar`.
 
+Every field set by a PARTFIN_* variable is an `EnvVar` (model/settings.py names them): Dagster
+resolves it when a run starts, and the UI shows the variable's name, never its value (the catalog
+URI and the source spec carry passwords).
+"""
 
-import os
+from contextlib import AbstractContextManager
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, EnvVar
 from pyiceberg.catalog import Catalog
 
 from partfin_assets.iceberg.catalog import CatalogConfig
 from partfin_assets.model.records import CdcSource
+from partfin_assets.model.redaction import secrets_redacted
+from partfin_assets.model.settings import Settings
 from partfin_assets.sources.registry import make_source
 
 
@@ -37,20 +43,30 @@ class CdcSourceResource(ConfigurableResource):
     subtasks: int = 2
 
     def open(self, table) -> CdcSource:
-        return make_source(self.source or table.source, table.spec)
+        with self.redacted():
+            return make_source(self.source or table.source, table.spec)
+
+    def redacted(self) -> AbstractContextManager[None]:
+        """Errors raised inside show the source's password masked (reading a source may fail with its DSN in the message)."""
+        return secrets_redacted(self.source, *Settings.from_env().secrets())
 
 
 def resources_from_env() -> dict:
+    settings = Settings.from_env()
+
+    def env(name: str, default=None):
+        """EnvVar of setting `name` when its variable is set (an int field: EnvVar.int), else `default`."""
+        if name not in settings.present:
+            return default
+        variable = Settings.variable(name)
+        return EnvVar.int(variable) if isinstance(getattr(settings, name), int) else EnvVar(variable)
+
     return {
-        "catalog": IcebergCatalogResource(
-            home=os.environ.get("PARTFIN_HOME") or None,
-            uri=os.environ.get("PARTFIN_CATALOG_URI") or None,
-            catalog_name=os.environ.get("PARTFIN_CATALOG") or None,
-        ),
+        "catalog": IcebergCatalogResource(home=env("home"), uri=env("catalog_uri"), catalog_name=env("catalog_name")),
         "cdc_source": CdcSourceResource(
-            source=os.environ.get("PARTFIN_SOURCE") or None,
-            max_records=int(os.environ.get("PARTFIN_MAX_RECORDS", "20000")),
-            max_checkpoints_per_run=int(os.environ.get("PARTFIN_MAX_CHECKPOINTS_PER_RUN", "500")),
-            max_seconds_per_run=float(os.environ.get("PARTFIN_MAX_SECONDS_PER_RUN", "45")),
+            source=env("source"),
+            max_records=env("max_records", settings.max_records),
+            max_checkpoints_per_run=env("max_checkpoints_per_run", settings.max_checkpoints_per_run),
+            max_seconds_per_run=settings.max_seconds_per_run,  # a float: EnvVar resolves str and int only
         ),
     }

@@ -6,12 +6,12 @@ Adding a table = adding one PartfinTable to TABLES.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition
 
 from partfin_assets.finalization.hours import hour_from_key
+from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 
@@ -63,7 +63,7 @@ class PartfinTable:
 
     @property
     def start_key(self) -> str:
-        return os.environ.get("PARTFIN_PARTITIONS_START") or self.partitions_start
+        return Settings.from_env().partitions_start or self.partitions_start
 
     @property
     def start_us(self) -> int:
@@ -79,28 +79,27 @@ SENSOR_KINDS = ("sync", "finalize", "checks")
 SCHEDULE_KINDS = ("compact", "maintain")
 
 
-def _enabled(kind: str, kinds: tuple[str, ...], variable: str) -> bool:
-    """All `kinds` start on unless `variable` lists a subset (comma separated; empty: none)."""
-    wanted = os.environ.get(variable)
+def _enabled(kind: str, kinds: tuple[str, ...], wanted: str | None) -> bool:
+    """All `kinds` start on unless `wanted` lists a subset (comma separated; empty: none)."""
     return kind in kinds if wanted is None else kind in {w.strip() for w in wanted.split(",")}
 
 
 def sensor_default_status(kind: str):
     """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks) starts only those."""
 
-    return DefaultSensorStatus.RUNNING if _enabled(kind, SENSOR_KINDS, "PARTFIN_SENSORS") else DefaultSensorStatus.STOPPED
+    return DefaultSensorStatus.RUNNING if _enabled(kind, SENSOR_KINDS, Settings.from_env().sensors) else DefaultSensorStatus.STOPPED
 
 
 def schedule_default_status(kind: str):
     """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain; empty: none) starts only those."""
 
-    enabled = _enabled(kind, SCHEDULE_KINDS, "PARTFIN_SCHEDULES")
+    enabled = _enabled(kind, SCHEDULE_KINDS, Settings.from_env().schedules)
     return DefaultScheduleStatus.RUNNING if enabled else DefaultScheduleStatus.STOPPED
 
 
 def sensor_interval(kind: str, declared: int) -> int:
     """PARTFIN_<KIND>_INTERVAL (seconds) overrides a table's declared sensor interval (tests use short ones)."""
-    return int(os.environ.get(f"PARTFIN_{kind.upper()}_INTERVAL", declared))
+    return Settings.from_env().intervals.get(kind, declared)
 
 
 TABLES: list[PartfinTable] = [

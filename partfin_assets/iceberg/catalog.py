@@ -12,7 +12,6 @@ Misconfiguration raises PartfinConfigError with one line naming what to fix.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceErr
 from pyiceberg.table import Table
 
 from partfin_assets.model.errors import PartfinConfigError
+from partfin_assets.model.redaction import redact, secrets_redacted
+from partfin_assets.model.settings import Settings
 
 CATALOG_NAME = "partfin"
 
@@ -34,10 +35,11 @@ class CatalogConfig:
 
     @classmethod
     def from_env(cls, home: str | os.PathLike | None = None) -> CatalogConfig:
+        settings = Settings.from_env()
         return cls(
-            home=Path(home or os.environ.get("PARTFIN_HOME") or ".partfin").absolute(),
-            uri=os.environ.get("PARTFIN_CATALOG_URI") or None,
-            named=os.environ.get("PARTFIN_CATALOG") or None,
+            home=Path(home or settings.home or ".partfin").absolute(),
+            uri=settings.catalog_uri,
+            named=settings.catalog_name,
         )
 
     @property
@@ -56,22 +58,24 @@ class CatalogConfig:
     def load(self) -> Catalog:
         if self.named:
             try:
-                return load_catalog(self.named)
+                with secrets_redacted():
+                    return load_catalog(self.named)
             except Exception as exc:  # pyiceberg raises several types for a bad config
                 raise PartfinConfigError(
-                    f"cannot load PyIceberg catalog {self.named!r} set by PARTFIN_CATALOG: {one_line(exc)} "
+                    f"cannot load PyIceberg catalog {self.named!r} set by PARTFIN_CATALOG: {redact(one_line(exc))} "
                     f"(configure it in ~/.pyiceberg.yaml or PYICEBERG_CATALOG__{self.named.upper()}__* variables)"
                 ) from exc
 
         if not self.uri:
             self.home.mkdir(parents=True, exist_ok=True)
         try:
-            return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+            with secrets_redacted(self.uri):
+                return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
         except Exception as exc:  # sqlalchemy raises driver-specific errors
             source = "PARTFIN_CATALOG_URI" if self.uri else "PARTFIN_HOME"
             raise PartfinConfigError(
-                f"cannot reach the Iceberg catalog at {redact(self.sql_uri)}: {one_line(exc)} (check {source})"
-            ) from exc
+                f"cannot reach the Iceberg catalog at {redact(self.sql_uri)}: {redact(one_line(exc), self.uri)} (check {source})"
+            ) from exc  # a cause that showed a secret is already a RedactedError
 
 
 def load_partfin_catalog(home: str | os.PathLike | None = None) -> Catalog:
@@ -112,10 +116,6 @@ def load_existing_table(catalog: Catalog, identifier: str, hint: str = "") -> Ta
         raise PartfinConfigError(
             f"table {identifier} does not exist in catalog {catalog.name!r}; {hint or 'ingest into it first'}"
         ) from exc
-
-
-def redact(uri: str) -> str:
-    return re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", uri)
 
 
 def one_line(exc: BaseException) -> str:

@@ -87,6 +87,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from partfin_assets.model.redaction import redact
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
 from partfin_assets.model.source_identity import SourceIdentity
@@ -359,7 +360,7 @@ class PostgresSource:
             table = f"{self.schema}.{self.table}"
             self._identity = SourceIdentity(
                 self.kind,
-                f"postgres:{_redact(self.dsn)}#{table},slot={self.slot}",
+                f"postgres:{redact(self.dsn)}#{table},slot={self.slot}",
                 {"system_identifier": system, "database": database, "table": table, "slot": self.slot},
                 cannot_replay=f"replication slot {self.slot} holds only the changes not ingested yet, not the past ones",
             )
@@ -377,8 +378,10 @@ class PostgresSource:
 
         try:
             conn = psycopg.connect(self.dsn, autocommit=autocommit)
-        except psycopg.OperationalError as exc:
-            raise PostgresSourceError(f"cannot connect to PostgreSQL ({_redact(self.dsn)}): {_first_line(exc)}") from None
+        except psycopg.Error as exc:  # libpq may echo a token of the DSN in its message: masked by value too
+            raise PostgresSourceError(
+                f"cannot connect to PostgreSQL ({redact(self.dsn)}): {redact(_first_line(exc), self.dsn)}"
+            ) from None
         conn.execute("SET TimeZone = 'UTC'")
         conn.execute("SET DateStyle = 'ISO, YMD'")
         conn.execute("SET IntervalStyle = 'iso_8601'")
@@ -879,8 +882,12 @@ class _Reject(ValueError):
 
 
 def parse_postgres_spec(argument: str, default_table: str) -> tuple[str, str, dict[str, str]]:
-    """`DSN[#[schema.]table][,slot=NAME,...]` -> (dsn, table, options)."""
-    dsn, hash_, fragment = argument.rpartition("#") if "#" in argument else (argument, "", "")
+    """`DSN[#[schema.]table][,slot=NAME,...]` -> (dsn, table, options).
+
+    A `#` inside a password (quoted or not, in key/value pairs, URI user info or `?password=`)
+    belongs to the password; the first `#` outside one starts the table and options.
+    """
+    dsn, fragment = _split_fragment(argument)
     table, options = f"public.{default_table}", {}
     for item in filter(None, (part.strip() for part in fragment.split(","))):
         name, equals, value = item.partition("=")
@@ -891,10 +898,31 @@ def parse_postgres_spec(argument: str, default_table: str) -> tuple[str, str, di
     return dsn.strip(), table, options
 
 
+_URI_DSN = re.compile(r"postgres(?:ql)?://", re.IGNORECASE)
+# libpq key/value pair: key = 'quoted value' (\' and \\ escaped) or a value up to whitespace
+_DSN_PAIR = re.compile(r"\s*(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|\S*)")
+
+
+def _split_fragment(argument: str) -> tuple[str, str]:
+    if _URI_DSN.match(argument):
+        start = max(argument.rfind("@") + 1, _URI_DSN.match(argument).end())  # the user info ends at its last '@'
+        passwords = [m.span(1) for m in re.finditer(r"[?&]password=([^&\s]*)", argument, re.IGNORECASE)]
+        for i in range(start, len(argument)):
+            if argument[i] == "#" and not any(a <= i < b for a, b in passwords):
+                return argument[:i], argument[i + 1 :]
+        return argument, ""
+    position = 0
+    while match := _DSN_PAIR.match(argument, position):
+        if not match.group(0).strip():
+            break
+        key, value = match.group(1), match.group(2)
+        if key.lower() != "password" and not value.startswith("'") and "#" in value:
+            cut = match.start(2) + value.index("#")
+            return argument[:cut], argument[cut + 1 :]
+        position = match.end()
+    cut = argument.find("#", position)
+    return (argument[:cut], argument[cut + 1 :]) if cut >= 0 else (argument, "")
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def _redact(dsn: str) -> str:
-    dsn = re.sub(r"(password\s*=\s*)(\S+)", r"\1***", dsn)
-    return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", dsn)

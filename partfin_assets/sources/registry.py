@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from partfin_assets.model.redaction import redact
 from partfin_assets.model.records import CdcSource, ReplayableSource
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
@@ -87,7 +88,7 @@ def make_source(
 
 def _debezium_path(argument: str, spec_text: str) -> str:
     if not argument:
-        raise ValueError(f"source {spec_text!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
+        raise ValueError(f"source {redact(spec_text)!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
     return argument
 
 
@@ -135,16 +136,16 @@ def _postgres_source(
 ) -> CdcSource:
     dsn, source_table, text_options = parse_postgres_spec(argument, table_name)
     if not dsn:
-        raise ValueError(f"source {spec_text!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
+        raise ValueError(f"source {redact(spec_text)!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
     parsed: dict[str, Any] = {}
     for name, value in text_options.items():
         parse = _POSTGRES_OPTIONS.get(name)
         if parse is None:
-            raise ValueError(f"source {spec_text!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
+            raise ValueError(f"source {redact(spec_text)!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
         try:
             parsed[name] = parse(value)
         except ValueError as exc:
-            raise ValueError(f"source {spec_text!r}: option {name}: {exc}") from None
+            raise ValueError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return PostgresSource(dsn, source_table, primary_key=key_columns, **{**parsed, **options})
 
 
@@ -182,14 +183,14 @@ def _parse_options(text: str, spec_text: str) -> dict[str, Any]:
         name, equals, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not equals:
-            raise ValueError(f"source {spec_text!r}: option {item!r} is not name=value")
+            raise ValueError(f"source {redact(spec_text)!r}: option {item!r} is not name=value")
         parse = _SYNTHETIC_OPTIONS.get(name)
         if parse is None:
             raise ValueError(
-                f"source {spec_text!r}: unknown synthetic option {name!r}; known: {', '.join(_SYNTHETIC_OPTIONS)}"
+                f"source {redact(spec_text)!r}: unknown synthetic option {name!r}; known: {', '.join(_SYNTHETIC_OPTIONS)}"
             )
         try:
             options[name] = parse(value.strip())
         except ValueError as exc:
-            raise ValueError(f"source {spec_text!r}: option {name}: {exc}") from None
+            raise ValueError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return options

@@ -105,24 +105,25 @@ def build_sync_job(table: PartfinTable):
         )
         source = None
         try:
-            source = cdc_source.open(table)
-            checkpoints = 0
-            started = time.monotonic()
-            for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
-                checkpoints += 1
-                if time.monotonic() - started > cdc_source.max_seconds_per_run:
-                    context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
-                    break
-                if result.snapshot_id is None:
-                    continue
-                snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
-                committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
-                reports = checkpoint_reports(name, result.summary, result.snapshot_id, committed_at)
-                logged = _log_reports(context, table, table.cdc_key, reports, committed_at)
-                context.log.info(
-                    f"checkpoint {result.checkpoint_id}: {result.records} records, {logged} hour partition(s), "
-                    f"watermark {result.summary.get('partfin.watermark')}, late {result.summary.get('partfin.late-records', '0')}"
-                )
+            with cdc_source.redacted():  # a source may fail with its DSN in the message
+                source = cdc_source.open(table)
+                checkpoints = 0
+                started = time.monotonic()
+                for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
+                    checkpoints += 1
+                    if time.monotonic() - started > cdc_source.max_seconds_per_run:
+                        context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
+                        break
+                    if result.snapshot_id is None:
+                        continue
+                    snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
+                    committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
+                    reports = checkpoint_reports(name, result.summary, result.snapshot_id, committed_at)
+                    logged = _log_reports(context, table, table.cdc_key, reports, committed_at)
+                    context.log.info(
+                        f"checkpoint {result.checkpoint_id}: {result.records} records, {logged} hour partition(s), "
+                        f"watermark {result.summary.get('partfin.watermark')}, late {result.summary.get('partfin.late-records', '0')}"
+                    )
         finally:
             writer.close()
             close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once

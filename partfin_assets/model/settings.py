@@ -1,0 +1,70 @@
+"""partfin's settings: every PARTFIN_* environment variable, read in this one place.
+
+The CLI and the catalog read the values (`Settings.from_env()`); the Dagster resources are
+configured with `dagster.EnvVar(<variable>)` for each variable that is set (`Settings.variable`),
+so the UI shows the variable's name, never its value. `SECRET_FIELDS` hold connection strings
+with passwords: they are only ever shown redacted (model/redaction.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from partfin_assets.model.errors import PartfinConfigError
+
+SECRET_FIELDS = ("catalog_uri", "source")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: str | None = field(default=None, metadata={"env": "PARTFIN_HOME"})  # SQLite catalog + warehouse (default ./.partfin)
+    catalog_uri: str | None = field(default=None, metadata={"env": "PARTFIN_CATALOG_URI"})  # SQLAlchemy URI of the SqlCatalog
+    catalog_name: str | None = field(default=None, metadata={"env": "PARTFIN_CATALOG"})  # a named PyIceberg catalog
+    source: str | None = field(default=None, metadata={"env": "PARTFIN_SOURCE"})  # replaces every table's declared source
+    partitions_start: str | None = field(default=None, metadata={"env": "PARTFIN_PARTITIONS_START"})
+    max_records: int = field(default=20_000, metadata={"env": "PARTFIN_MAX_RECORDS"})
+    max_checkpoints_per_run: int = field(default=500, metadata={"env": "PARTFIN_MAX_CHECKPOINTS_PER_RUN"})
+    max_seconds_per_run: float = field(default=45.0, metadata={"env": "PARTFIN_MAX_SECONDS_PER_RUN"})
+    # the sensor / schedule kinds started on, comma separated; unset: all, empty: none
+    sensors: str | None = field(default=None, metadata={"env": "PARTFIN_SENSORS", "empty_is_value": True})
+    schedules: str | None = field(default=None, metadata={"env": "PARTFIN_SCHEDULES", "empty_is_value": True})
+    intervals: Mapping[str, int] = field(default_factory=dict)  # PARTFIN_<KIND>_INTERVAL: sensor kind -> seconds
+    present: frozenset[str] = frozenset()  # the fields whose variable is set
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        environ = os.environ if environ is None else environ
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            variable = f.metadata.get("env")
+            text = environ.get(variable) if variable else None
+            if text is None or (text == "" and not f.metadata.get("empty_is_value")):
+                continue
+            values[f.name] = _parse(variable, text, f.default)
+        intervals = {
+            name[len("PARTFIN_") : -len("_INTERVAL")].lower(): _parse(name, text, 0)
+            for name, text in environ.items()
+            if name.startswith("PARTFIN_") and name.endswith("_INTERVAL") and text
+        }
+        return cls(**values, intervals=intervals, present=frozenset(values))
+
+    @staticmethod
+    def variable(name: str) -> str:
+        """The environment variable of field `name`."""
+        return next(f.metadata["env"] for f in dataclasses.fields(Settings) if f.name == name)
+
+    def secrets(self) -> tuple[str, ...]:
+        """The configured connection strings (to mask their passwords wherever they appear)."""
+        return tuple(value for value in (getattr(self, name) for name in SECRET_FIELDS) if value)
+
+
+def _parse(variable: str, text: str, default: object) -> object:
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        return text
+    try:
+        return type(default)(text)
+    except ValueError:
+        raise PartfinConfigError(f"{variable}={text!r} is not a number") from None
