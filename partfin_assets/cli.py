@@ -102,6 +102,9 @@ def _ingest(args: argparse.Namespace) -> int:
     try:
         for result in writer.run(source, max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints):
             progress.update(result)
+    except KeyboardInterrupt:  # --follow ends with Ctrl-C: the columns its messages declared are kept all the same
+        _record_discovered_columns(catalog, spec, source)
+        raise
     finally:
         writer.close()
         progress.close()

@@ -18,11 +18,12 @@ from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.history import watermark_history
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso, to_us
 from partfin_assets_tests import debezium_messages as dbz
 from partfin_assets_tests.kafka_cluster import FAST_GROUP_SETTINGS
@@ -337,3 +338,78 @@ def test_a_second_consumer_and_a_killed_one_rebalance_without_losing_or_doubling
     assert processes["b"].returncode in (0, 130) and processes["c"].returncode in (0, 130)
     run_ingest(home, spec, "--checkpoint-records", "30")
     assert events(cdc_rows(home)) == expected_events(messages, delivered)
+
+
+DBZ_ORDERS = TableSpec("orders", ("id",), {"id": pa.int64(), "customer_id": pa.int64(), "amount": pa.float64(),
+                                            "status": pa.string(), "updated_by": pa.string(), "note": pa.string()})
+
+
+def test_dagster_sync_reads_partfin_source_kafka_and_the_group_sees_its_progress(tmp_path, kafka_cluster, monkeypatch):
+    """PARTFIN_SOURCE=kafka:... for the Dagster sync job: cdc and base are written; the group's
+    offsets (what lag monitors read) equal the offsets the Iceberg checkpoint recorded."""
+    kafka_cluster.create_topic(TOPIC, 3)
+    messages = dbz.row_history(range(40), T0_MS, updates=2, delete_every=4)
+    produce(kafka_cluster, TOPIC, messages)
+    spec = kafka_spec(kafka_cluster, extra="group=orders-sync")
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PARTFIN_SOURCE", spec)
+    monkeypatch.setenv("PARTFIN_PARTITIONS_START", "2026-11-01-00:00")
+    monkeypatch.setenv("PARTFIN_MAX_RECORDS", "25")
+    from dagster import DagsterInstance
+
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+
+    defs = build_definitions([PartfinTable(spec=DBZ_ORDERS, source="kafka:unused:9092#unused")])
+    with DagsterInstance.ephemeral() as instance:
+        assert defs.resolve_job_def("sync_orders").execute_in_process(instance=instance).success
+
+    catalog = load_partfin_catalog(tmp_path / "home")
+    assert cdc_rows(tmp_path / "home").num_rows == sum(m.value is not None for m in messages)
+    base = catalog.load_table("base.orders").scan().to_arrow().filter(pc.invert(pc.field("_deleted")))
+    assert sorted(base.column("id").to_pylist()) == [i for i in range(40) if i % 4]
+    recorded = json.loads(json.loads(catalog.load_table("cdc.orders").properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"])
+    monitor = Consumer(kafka_cluster.client_config(**{"group.id": "orders-sync"}))
+    try:
+        committed = monitor.committed([TopicPartition(TOPIC, p) for p in range(3)], timeout=30)
+    finally:
+        monitor.close()
+    assert {str(tp.partition): tp.offset for tp in committed} == recorded["partitions"]
+
+
+def test_secrets_come_from_the_environment_and_never_show(tmp_path, kafka_cluster):
+    """librdkafka properties from PARTFIN_KAFKA_* variables: a bad value is one line naming the
+    property, never the value; a secret in the spec is refused. Neither creates anything."""
+    kafka_cluster.create_topic(TOPIC, 1)
+    secret = "hunter2-do-not-print"
+    cases = {
+        "bad-value": (kafka_spec(kafka_cluster), {"PARTFIN_KAFKA_SESSION_TIMEOUT_MS": secret},
+                      'Invalid value for configuration property "session.timeout.ms"'),
+        "in-spec": (kafka_spec(kafka_cluster, extra=f"sasl.password={secret}"), {}, "PARTFIN_KAFKA_SASL_PASSWORD"),
+    }
+    for name, (spec, env, named) in cases.items():
+        home = tmp_path / name
+        process = ingest(home, spec, env=env)
+        _, stderr = process.communicate(timeout=120)
+        lines = stderr.decode().strip().splitlines()
+        assert process.returncode == 2 and len(lines) == 1, lines
+        assert named in lines[0] and secret not in lines[0]
+        assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
+
+
+def test_offsets_retention_deleted_stop_ingest_with_one_line(tmp_path, kafka_cluster):
+    """Messages deleted (retention) before partfin read them: one line naming the partition and the
+    recorded offset, exit 2, nothing skipped silently."""
+    kafka_cluster.create_topic(TOPIC, 1)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    produce(kafka_cluster, TOPIC, dbz.row_history(range(10), T0_MS, updates=1))
+    run_ingest(home, spec)
+    produce(kafka_cluster, TOPIC, dbz.row_history(range(10, 20), T0_MS + 3_600_000, updates=1))
+    kafka_cluster.delete_records(TOPIC, 0, 30)  # offsets 20..29 are gone before partfin read them
+    process = ingest(home, spec)
+    _, stderr = process.communicate(timeout=120)
+    lines = stderr.decode().strip().splitlines()
+    assert process.returncode == 2 and len(lines) == 1, lines
+    assert "partition 0" in lines[0] and "(20)" in lines[0] and "retention" in lines[0]
+    assert cdc_rows(home).num_rows == 20

@@ -87,6 +87,11 @@ _OWNED_PROPERTIES = {
 _OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse helpers)
 
 
+def _error_text(exc: KafkaException) -> str:
+    error = exc.args[0] if exc.args else None
+    return error.str() if isinstance(error, KafkaError) else str(exc)
+
+
 class KafkaSourceError(SourceError):
     """The Kafka source cannot read as configured (a missing topic, a refused property, a fatal client error)."""
 
@@ -242,7 +247,6 @@ class KafkaSource:
         self.primary_key = key_columns
         self.follow = follow
         self.group = spec.group or f"partfin-{table.name}"
-        self._secret_values = []
         env_properties = properties_from_env(os.environ if environ is None else environ)
         self._secret_values = sorted({v for v in env_properties.values() if len(v) >= 3}, key=len, reverse=True)
         self.config: dict[str, Any] = {
@@ -258,13 +262,15 @@ class KafkaSource:
             "error_cb": self._on_client_error,
         }
         self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
-        self._consumer = None
+        self._consumer = self._new_consumer()  # a bad property is one clear error before anything is created
+        self._subscribed = False
         self._cluster_id: str | None = None
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
         self._assigned: set[int] | None = None  # None: no assignment yet
         self._at_end: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
+        self._committed_offset: str | None = None  # the offset of the last Iceberg commit, for the group
 
     # ---- identity
 
@@ -287,7 +293,7 @@ class KafkaSource:
         try:
             metadata = consumer.list_topics(self.spec.topic, timeout=30)
         except KafkaException as exc:
-            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(str(exc.args[0]))}") from None
+            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(_error_text(exc))}") from None
         topic = metadata.topics.get(self.spec.topic)
         if topic is None or topic.error is not None or not topic.partitions:
             why = self._redact(str(topic.error)) if topic is not None and topic.error is not None else "no partitions"
@@ -417,16 +423,19 @@ class KafkaSource:
 
     # ---- the consumer group
 
-    def _open(self):
-        if self._consumer is not None:
-            return self._consumer
+    def _new_consumer(self) -> Consumer:
         try:
-            consumer = Consumer(self.config)
+            return Consumer(self.config)
         except KafkaException as exc:
-            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(str(exc.args[0]))}") from None
-        self._consumer = consumer
-        consumer.subscribe([self.spec.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        return consumer
+            raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(_error_text(exc))}") from None
+
+    def _open(self) -> Consumer:
+        if self._consumer is None:
+            raise KafkaSourceError(f"kafka source {self.spec.display} is closed")
+        if not self._subscribed:
+            self._consumer.subscribe([self.spec.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            self._subscribed = True
+        return self._consumer
 
     def _on_assign(self, consumer, partitions) -> None:
         self._assigned = {tp.partition for tp in partitions}
@@ -444,6 +453,10 @@ class KafkaSource:
 
     def on_committed(self, offset: str) -> None:
         """After the Iceberg commit: the group's offsets follow, for lag monitors only (never read back)."""
+        self._committed_offset = offset
+        self._commit_group_offsets(offset, asynchronous=True)
+
+    def _commit_group_offsets(self, offset: str, *, asynchronous: bool) -> None:
         if self._consumer is None or not self._assigned:
             return
         positions = KafkaOffset.parse(offset, self.spec.topic).partitions
@@ -451,11 +464,15 @@ class KafkaSource:
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=True)
+            self._consumer.commit(offsets=offsets, asynchronous=asynchronous)
         except KafkaException as exc:  # refused during a rebalance: the next commit catches up
-            log.info("kafka source %s: group offsets not committed (%s)", self.spec.display, self._redact(str(exc.args[0])))
+            log.info("kafka source %s: group offsets not committed (%s)", self.spec.display, self._redact(_error_text(exc)))
 
     def close(self) -> None:
+        """Leave the group at once (its partitions go to the other members now, not after a session
+        timeout), with the group's offsets at the last Iceberg commit."""
+        if self._committed_offset is not None:
+            self._commit_group_offsets(self._committed_offset, asynchronous=False)
         if self._consumer is not None:
             consumer, self._consumer = self._consumer, None
             consumer.close()
