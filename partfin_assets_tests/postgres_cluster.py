@@ -63,6 +63,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _knows_setting(bindir: Path, name: str) -> bool:
+    described = subprocess.run([str(bindir / "postgres"), "--describe-config"], capture_output=True, text=True)
+    return any(line.split("\t", 1)[0] == name for line in described.stdout.splitlines())
+
+
 def _as_cluster_user(command: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
 
@@ -91,6 +96,9 @@ def throwaway_cluster(
     ]
     if logical:
         options += ["-c wal_level=logical", "-c max_replication_slots=10", "-c max_wal_senders=10"]
+        if _knows_setting(bindir, "output_plugin_libraries"):
+            # PostgreSQL 15.20+ (CVE-2026-6471) loads only listed output plugins; older servers refuse the name
+            options += ["-c output_plugin_libraries=pgoutput,test_decoding,wal2json"]
     options += [f"-c {setting}" for setting in settings]
     # pg_ctl -w compares the start time in postmaster.pid with its own clock: under a fake clock, wait here
     faked = fake_clock is not None or clock_file is not None

@@ -241,6 +241,19 @@ def test_wal_level_replica_is_a_clear_error():
             list(PostgresSource(cluster.dsn(), "orders").batches(None, 10))
 
 
+def test_server_that_does_not_list_wal2json_as_an_output_plugin_is_a_clear_cli_error(tmp_path):
+    from partfin_assets_tests.postgres_cluster import _knows_setting, postgres_bindir, throwaway_cluster
+
+    if not _knows_setting(postgres_bindir(), "output_plugin_libraries"):
+        pytest.skip("this PostgreSQL loads any output plugin (output_plugin_libraries came with 15.20)")
+    with throwaway_cluster(settings=["output_plugin_libraries=pgoutput,test_decoding"]) as cluster:
+        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            conn.execute(TABLE_DDL)
+        result = partfin(tmp_path, "ingest", "--table", "orders", "--source", f"postgres:{cluster.dsn()}")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "add wal2json to output_plugin_libraries" in result.stderr
+
+
 def test_table_without_key_missing_table_and_role_without_replication(postgres, database):
     dsn = postgres.dsn(database)
     role = f"noreplication_{uuid.uuid4().hex[:6]}"

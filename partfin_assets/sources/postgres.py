@@ -517,6 +517,11 @@ class PostgresSource:
                 f"output plugin {PLUGIN} is not installed on the server (Debian: apt-get install postgresql-15-wal2json)"
             ) from None
         except psycopg.errors.InsufficientPrivilege as exc:
+            if "output plugin" in str(exc):
+                raise PostgresSourceError(
+                    f"the server does not allow the wal2json output plugin: add wal2json to output_plugin_libraries "
+                    f"in postgresql.conf (PostgreSQL 15.20+): {_first_line(exc)}"
+                ) from None
             raise PostgresSourceError(
                 f"role lacks REPLICATION privilege to create slot {self.slot!r}: {_first_line(exc)}"
             ) from None
