@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from partfin_assets.model.errors import PartfinConfigError
 
 SECRET_FIELDS = ("catalog_uri", "source")
+KAFKA_PREFIX = "PARTFIN_KAFKA_"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Settings:
     sensors: str | None = field(default=None, metadata={"env": "PARTFIN_SENSORS", "empty_is_value": True})
     schedules: str | None = field(default=None, metadata={"env": "PARTFIN_SCHEDULES", "empty_is_value": True})
     intervals: Mapping[str, int] = field(default_factory=dict)  # PARTFIN_<KIND>_INTERVAL: sensor kind -> seconds
+    # PARTFIN_KAFKA_<NAME> -> value: librdkafka properties of the Kafka source (sources/kafka.py), secrets among them
+    kafka_variables: Mapping[str, str] = field(default_factory=dict, repr=False)
     present: frozenset[str] = frozenset()  # the fields whose variable is set
 
     @classmethod
@@ -47,9 +50,10 @@ class Settings:
         intervals = {
             name[len("PARTFIN_") : -len("_INTERVAL")].lower(): _parse(name, text, 0)
             for name, text in environ.items()
-            if name.startswith("PARTFIN_") and name.endswith("_INTERVAL") and text
+            if name.startswith("PARTFIN_") and name.endswith("_INTERVAL") and text and not name.startswith(KAFKA_PREFIX)
         }
-        return cls(**values, intervals=intervals, present=frozenset(values))
+        kafka = {name: text for name, text in environ.items() if name.startswith(KAFKA_PREFIX) and len(name) > len(KAFKA_PREFIX)}
+        return cls(**values, intervals=intervals, kafka_variables=kafka, present=frozenset(values))
 
     @staticmethod
     def variable(name: str) -> str:

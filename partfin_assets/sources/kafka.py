@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -61,6 +60,8 @@ from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer,
 
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch, implausible_event_time
+from partfin_assets.model.redaction import MASK, redact
+from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us, parse_duration
@@ -69,7 +70,7 @@ from partfin_assets.sources.debezium_json import DebeziumJsonDecoder, DecodedCha
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "PARTFIN_KAFKA_"
+ENV_PREFIX = KAFKA_PREFIX
 # messages taken per consume(): it returns once it has this many (or after poll_timeout), so a small
 # number keeps it from waiting for more than librdkafka has fetched
 _FETCH_MESSAGES = 500
@@ -167,7 +168,8 @@ def env_name(property_name: str) -> str:
 
 
 def properties_from_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """librdkafka properties given as PARTFIN_KAFKA_<NAME> variables (`_` a dot, `__` an underscore)."""
+    """librdkafka properties given as PARTFIN_KAFKA_<NAME> variables (`_` a dot, `__` an underscore);
+    `environ` holds those variables (Settings.kafka_variables)."""
     found = {}
     for variable, value in environ.items():
         if variable.startswith(ENV_PREFIX) and len(variable) > len(ENV_PREFIX):
@@ -247,7 +249,7 @@ class KafkaSource:
         self.primary_key = key_columns
         self.follow = follow
         self.group = spec.group or f"partfin-{table.name}"
-        env_properties = properties_from_env(os.environ if environ is None else environ)
+        env_properties = properties_from_env(Settings.from_env(environ).kafka_variables)
         self._secret_values = sorted({v for v in env_properties.values() if len(v) >= 3}, key=len, reverse=True)
         self.config: dict[str, Any] = {
             "client.id": f"partfin-{table.name}",
@@ -490,6 +492,7 @@ class KafkaSource:
             raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(self._fatal)}")
 
     def _redact(self, text: str) -> str:
+        """Every value from the environment masked, then whatever model/redaction.py masks."""
         for secret in self._secret_values:
-            text = text.replace(secret, "***")
-        return text
+            text = text.replace(secret, MASK)
+        return redact(text)
