@@ -31,6 +31,11 @@ def is_finalized(hour_us: int, watermark_us: int | None) -> bool:
     return watermark_us is not None and floor_hour_us(hour_us) + US_PER_HOUR <= watermark_us
 
 
+def finalized_through(watermark_us: int | None) -> int | None:
+    """The last finalized hour (the newest H with H + 1h <= W); None without a watermark."""
+    return None if watermark_us is None else floor_hour_us(watermark_us) - US_PER_HOUR
+
+
 def not_finalized_reason(hour_us: int, watermark_us: int | None, identifier: str) -> str | None:
     """Why hour H of `identifier` may not be used yet, naming the hour and the watermark; None once final."""
     if is_finalized(hour_us, watermark_us):

@@ -8,12 +8,13 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
+from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.finalization.late_data import late_records_total
-from partfin_assets.iceberg.history import lineage, summary_of, total_records
+from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import LEDGER_SUFFIX
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import HOUR, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class TableStatus:
     watermark: str | None
     policy: str | None
     checkpoint_id: int | None  # newest checkpoint on the table (any writer)
-    finalized_through: str | None  # the last finalized hour: watermark - 1h
+    finalized_through: str | None  # the last finalized hour (finalization/hours.py)
     late_records: int  # cdc tables: every late record of the table's history (its late-data ledger); base: 0
     snapshots: int
     source_snapshot_id: int | None = None  # base tables: the CDC snapshot merged
@@ -54,7 +55,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         watermark=watermark,
         policy=properties.get(K.PROP_WATERMARK_POLICY),
         checkpoint_id=checkpoint_id,
-        finalized_through=iso_z(parse_iso(watermark) - HOUR) if watermark else None,
+        finalized_through=iso_z(finalized_through(watermark_of(properties))) if watermark else None,
         late_records=late_records_total(table.catalog, identifier) if identifier.startswith("cdc.") else 0,
         snapshots=len(table.metadata.snapshots),
         source_snapshot_id=int(source_snapshot) if source_snapshot else None,

@@ -31,6 +31,7 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.transforms import HourTransform
 
+from partfin_assets.finalization.hours import is_finalized
 from partfin_assets.iceberg.files import hour_partition, live_files, partition_path, position_delete_files, read_files
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
@@ -154,7 +155,7 @@ def compact(
                 hour = _hour_of_partition(table, partition)
                 if hour is None:
                     continue
-                if watermark is None or hour + 3_600_000_000 > watermark:
+                if not is_finalized(hour, watermark):
                     result.skipped_not_finalized.append(partition)
                     del files[partition]
         deletes: dict[str, list[DataFile]] = {}
