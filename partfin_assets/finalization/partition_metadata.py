@@ -79,10 +79,9 @@ def checkpoint_hours(summary: Mapping[str, str]) -> list[HourStats]:
     return out
 
 
-# Job kinds (model/summary_keys.py JobKind values, in `partfin.job-kind`) of cdc commits that rewrite
-# records already there (compaction) or remove some (privacy delete): no new records in any hour.
-REWRITE_JOB_KINDS = frozenset({"MERGE", "UPDATE/DELETE"})
-OVERWRITE_JOB_KIND = "OVERWRITE"
+# Job kinds of cdc commits that rewrite records already there (compaction) or remove some
+# (privacy delete): no new records in any hour.
+REWRITE_JOB_KINDS = frozenset({K.JobKind.MERGE, K.JobKind.UPDATE_DELETE})
 
 
 def new_records_by_hour(summary: Mapping[str, str]) -> dict[int, int] | None:
@@ -97,7 +96,7 @@ def new_records_by_hour(summary: Mapping[str, str]) -> dict[int, int] | None:
     kind = summary.get(K.JOB_KIND)
     if kind in REWRITE_JOB_KINDS:
         return {}
-    if kind == OVERWRITE_JOB_KIND:
+    if kind == K.JobKind.OVERWRITE:
         hour = summary.get(K.REPLAY_HOUR)
         return {to_us(parse_iso(hour)): int(summary.get(K.REPLAY_ADDED_RECORDS, "0"))} if hour else {}
     return partition_counts(summary) or None

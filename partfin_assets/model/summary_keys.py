@@ -66,6 +66,10 @@ PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
 PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"
 
 # table properties
+# the table declaration (model/tablespec.py) travels with cdc.<name>, so `partfin upsert --table T`
+# and the Dagster layer need nothing but the table name
+PROP_PRIMARY_KEY = "partfin.primary-key"  # comma-separated primary-key columns
+PROP_COLUMNS = "partfin.columns"  # JSON {"<column>": "<type text>"}
 PROP_WATERMARK = "partfin.watermark"
 PROP_WATERMARK_POLICY = "partfin.watermark.policy"
 PROP_SOURCE_TABLE = "partfin.source-table"

@@ -40,6 +40,7 @@ from partfin_assets.iceberg.history import summary_of, watermark_of
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
@@ -122,7 +123,7 @@ def build_sync_job(table: PartfinTable):
                     logged = _log_reports(context, table, table.cdc_key, reports, committed_at)
                     context.log.info(
                         f"checkpoint {result.checkpoint_id}: {result.records} records, {logged} hour partition(s), "
-                        f"watermark {result.summary.get('partfin.watermark')}, late {result.summary.get('partfin.late-records', '0')}"
+                        f"watermark {result.summary.get(K.WATERMARK)}, late {result.summary.get(K.LATE_RECORDS, '0')}"
                     )
         finally:
             writer.close()
