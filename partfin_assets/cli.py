@@ -24,7 +24,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
-from partfin_assets.model.tablespec import PROP_COLUMNS, TableSpec
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams}[args.command](args)
-    except (PartfinError, ValueError) as exc:
+    except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -131,7 +131,7 @@ def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
     columns = discover() if discover is not None else None
     if spec.columns or not columns:
         return
-    declared = {PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[PROP_COLUMNS]}
+    declared = {K.PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[K.PROP_COLUMNS]}
     set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -97,3 +99,34 @@ def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):
     again = partfin(tmp_path, "ingest", "--table", "shop", "--source", f"debezium:{path}")
     assert again.returncode == 0, again.stderr  # resumes after the last committed line: nothing twice
     assert load_partfin_catalog(tmp_path).load_table("cdc.shop__rejected").scan().to_arrow().num_rows == 5
+
+
+def test_every_bad_value_a_user_gives_is_one_line_and_exit_2(tmp_path):
+    synthetic = "synthetic:seed=1,start=2026-11-01T00:00:00Z,end=2026-11-01T01:00:00Z"
+    cases = {
+        ("ingest", "--table", "orders", "--source", synthetic, "--subtasks", "0"): "subtasks must be at least 1",
+        ("ingest", "--table", "orders", "--source", synthetic, "--checkpoint-records", "0"): "max_records must be at least 1",
+        ("ingest", "--table", "orders", "--source", "synthetic:rate=-1"): "rate must be positive",
+        ("ingest", "--table", "orders", "--source", "synthetic:start=yesterday"): "yesterday",
+        ("streams", "idle-timeout", "--table", "orders", "soon"): "not a duration: 'soon'",
+    }
+    for args, expected in cases.items():
+        result = partfin(tmp_path, *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (args, result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("partfin: error: ") and expected in lines[0], (args, lines)
+
+
+def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
+    # only PartfinError is the user's to fix (one line, exit 2); any other exception, a ValueError
+    # included, is a bug: its traceback and exit 1
+    from partfin_assets import cli
+
+    def broken_upsert(catalog, table):
+        raise ValueError("an invariant partfin broke")
+
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path))
+    monkeypatch.setattr(cli, "run_upsert", broken_upsert)
+    assert cli.main(["upsert", "--table", "orders"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "ValueError: an invariant partfin broke" in err and "partfin: error" not in err

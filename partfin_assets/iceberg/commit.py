@@ -33,6 +33,7 @@ from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate, T
 from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.history import find_commit
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.summary_keys import JobKind
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ MANAGED_TABLE_PROPERTIES = {
 }
 
 
-class CommitRetriesExhausted(RuntimeError):
-    pass
+class CommitRetriesExhausted(PartfinError, RuntimeError):
+    """Every attempt to commit lost a race with another writer; nothing of this commit is visible."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import commit_stats
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Retention:
 
     def __post_init__(self) -> None:
         if self.keep_last < 1 or self.slack < 0:
-            raise ValueError(f"retention needs keep_last >= 1 and slack >= 0, got {self}")
+            raise InvalidInput(f"retention needs keep_last >= 1 and slack >= 0, got {self}")
 
 
 def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, lookback: int) -> set[int]:

@@ -37,7 +37,7 @@ from pyiceberg.table.metadata import TableMetadata
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, set_table_properties
 from partfin_assets.iceberg.history import last_writer_position
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.stats import compact_json
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
 
@@ -181,5 +181,5 @@ def retire_stream(catalog: Catalog, identifier: str, stream_id: str) -> Stream:
 
 def set_idle_timeout(catalog: Catalog, identifier: str, timeout: timedelta) -> None:
     if timeout <= timedelta(0):
-        raise ValueError(f"the idle timeout must be positive, got {timeout}")
+        raise InvalidInput(f"the idle timeout must be positive, got {timeout}")
     set_table_properties(catalog, identifier, {K.PROP_STREAMS_IDLE_TIMEOUT: f"{timeout.total_seconds():g}s"})

@@ -42,6 +42,7 @@ from pyiceberg.types import (
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
 from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.tablespec import TableSpec
 
 CDC_SCHEMA = Schema(
@@ -208,10 +209,10 @@ def _iceberg_type(data_type: pa.DataType, next_id: Callable[[], int] | None = No
 
 def base_columns(spec: TableSpec) -> dict[str, pa.DataType]:
     if not spec.columns:
-        raise ValueError(f"table {spec.name!r} declares no columns: the base table needs typed columns")
+        raise InvalidInput(f"table {spec.name!r} declares no columns: the base table needs typed columns")
     for name in spec.columns:
         if name in META_COLUMNS or name.startswith("__"):
-            raise ValueError(f"table {spec.name!r}: column name {name!r} is reserved for base-table metadata")
+            raise InvalidInput(f"table {spec.name!r}: column name {name!r} is reserved for base-table metadata")
     return dict(spec.columns)
 
 
@@ -253,7 +254,7 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
         return catalog.load_table(identifier)
     buckets = buckets or DEFAULT_BUCKETS
     if buckets < 1:
-        raise ValueError(f"bucket count must be at least 1, got {buckets}")
+        raise InvalidInput(f"bucket count must be at least 1, got {buckets}")
     ensure_namespaces(catalog, "base")
     schema = base_schema(spec)
     properties = {**MANAGED_TABLE_PROPERTIES, K.PROP_BASE_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}

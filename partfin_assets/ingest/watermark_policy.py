@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats, EventTimeStats
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
 from partfin_assets.model.timeutil import floor_hour_us
 
 
-class PolicyError(ValueError):
-    pass
+class PolicyError(InvalidInput):
+    """A watermark policy text that does not parse (e.g. a table property set by hand)."""
 
 
 @dataclass(frozen=True)

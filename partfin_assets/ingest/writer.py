@@ -45,7 +45,7 @@ from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitP
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import EventTimeStats, suspect_future
@@ -98,7 +98,7 @@ class CdcWriter:
         clock: Callable[[], datetime] = now_utc,
     ) -> None:
         if subtasks < 1:
-            raise ValueError(f"subtasks must be at least 1, got {subtasks}")
+            raise InvalidInput(f"subtasks must be at least 1, got {subtasks}")
         self.catalog = catalog
         self.spec = spec
         self.writer_id = writer_id or f"{spec.name}-writer"

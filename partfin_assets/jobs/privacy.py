@@ -44,6 +44,7 @@ from partfin_assets.iceberg.position_deletes import positions_by_file, read_posi
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.record_keys import canonical_key
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
@@ -127,7 +128,7 @@ def base_key_filter(spec: TableSpec, keys: Iterable[Mapping[str, Any]]) -> tuple
     keys = list(keys)
     for key in keys:
         if set(key) != set(pk):
-            raise ValueError(f"key {dict(key)} does not name exactly the primary key {pk} of {spec.name}")
+            raise InvalidInput(f"key {dict(key)} does not name exactly the primary key {pk} of {spec.name}")
     columns = {c: pa.array([k[c] for k in keys], spec.columns.get(c)) for c in pk}
     prune: BooleanExpression | None = None
     for c in pk:

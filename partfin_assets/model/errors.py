@@ -16,5 +16,9 @@ class PartfinConfigError(PartfinError, RuntimeError):
     """A configuration problem the user must fix; the message names what and how."""
 
 
+class InvalidInput(PartfinError, ValueError):
+    """A value the user gave that partfin cannot use: a table declaration, an option, a time, a duration, a key."""
+
+
 class SourceError(PartfinError, ValueError):
     """A CDC source that cannot be read as configured (a missing file, a declaration its data contradicts)."""

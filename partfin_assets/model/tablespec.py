@@ -9,14 +9,10 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from partfin_assets.model.summary_keys import PROP_WATERMARK_POLICY
+from partfin_assets.model.errors import InvalidInput
+from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY, PROP_WATERMARK_POLICY
 
 DEFAULT_WATERMARK_POLICY = "min-of-last:3"
-
-# The declaration travels with cdc.<name> as table properties, so `partfin upsert --table T`
-# and the Dagster layer need nothing but the table name.
-PROP_PRIMARY_KEY = "partfin.primary-key"
-PROP_COLUMNS = "partfin.columns"
 
 _SIMPLE_TYPES = {
     "bool": pa.bool_(),
@@ -39,11 +35,11 @@ def type_to_text(data_type: pa.DataType) -> str:
         fields = [data_type.field(i) for i in range(data_type.num_fields)]
         for child in fields:
             if not child.name.isidentifier():
-                raise ValueError(f"struct field name {child.name!r} is not supported in a table declaration")
+                raise InvalidInput(f"struct field name {child.name!r} is not supported in a table declaration")
         return "struct<" + ", ".join(f"{child.name}: {type_to_text(child.type)}" for child in fields) + ">"
     text = str(data_type)
     if text not in _SIMPLE_TYPES and not isinstance(data_type, pa.Decimal128Type):
-        raise ValueError(f"column type {text} is not supported in a table declaration")
+        raise InvalidInput(f"column type {text} is not supported in a table declaration")
     return text
 
 
@@ -55,13 +51,13 @@ def type_from_text(text: str) -> pa.DataType:
         return pa.decimal128(int(match[1]), int(match[2]))
     if text.startswith("struct<") and text.endswith(">"):
         return pa.struct([_struct_field(item) for item in _top_level_items(text[len("struct<") : -1])])
-    raise ValueError(f"column type {text!r} is not supported in a table declaration")
+    raise InvalidInput(f"column type {text!r} is not supported in a table declaration")
 
 
 def _struct_field(item: str) -> pa.Field:
     name, colon, child = item.partition(": ")
     if not colon or not name.isidentifier():
-        raise ValueError(f"struct field {item!r} is not supported in a table declaration")
+        raise InvalidInput(f"struct field {item!r} is not supported in a table declaration")
     return pa.field(name, type_from_text(child))
 
 
@@ -88,12 +84,12 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
-            raise ValueError(f"table name {self.name!r} must be a plain identifier (it becomes cdc.{self.name})")
+            raise InvalidInput(f"table name {self.name!r} must be a plain identifier (it becomes cdc.{self.name})")
         if not self.primary_key:
-            raise ValueError(f"table {self.name!r} declares no primary key")
+            raise InvalidInput(f"table {self.name!r} declares no primary key")
         missing = [c for c in self.primary_key if self.columns and c not in self.columns]
         if missing:
-            raise ValueError(
+            raise InvalidInput(
                 f"table {self.name!r}: primary-key column(s) {missing} are not among its columns {list(self.columns)}"
             )
 
@@ -106,7 +102,7 @@ class TableSpec:
     @classmethod
     def from_properties(cls, name: str, properties: Mapping[str, str]) -> TableSpec:
         if PROP_PRIMARY_KEY not in properties:
-            raise ValueError(f"cdc.{name} carries no table declaration (property {PROP_PRIMARY_KEY}); ingest with partfin first")
+            raise InvalidInput(f"cdc.{name} carries no table declaration (property {PROP_PRIMARY_KEY}); ingest with partfin first")
         columns = json.loads(properties.get(PROP_COLUMNS) or "{}")
         return cls(
             name=name,

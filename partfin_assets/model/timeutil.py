@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
+from partfin_assets.model.errors import InvalidInput
+
 US_PER_SECOND = 1_000_000
 US_PER_HOUR = 3600 * US_PER_SECOND
 HOUR = timedelta(hours=1)
@@ -42,9 +44,12 @@ def iso_z(dt_or_us: datetime | int) -> str:
 
 
 def parse_iso(text: str) -> datetime:
-    dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidInput(f"not a time: {text!r}; expected ISO-8601 UTC, e.g. 2026-01-02T03:00:00Z") from None
     if dt.tzinfo is None:
-        raise ValueError(f"time {text!r} has no timezone; expected ISO-8601 UTC with a trailing Z")
+        raise InvalidInput(f"time {text!r} has no timezone; expected ISO-8601 UTC with a trailing Z")
     return dt.astimezone(UTC)
 
 
@@ -60,5 +65,5 @@ def parse_duration(text: str) -> timedelta:
     """`90`, `90s`, `20m`, `6h`, `1d` (a bare number is seconds)."""
     match = _DURATION.match(text.strip())
     if not match:
-        raise ValueError(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
+        raise InvalidInput(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
     return timedelta(**{_DURATION_UNITS[match.group(2)]: float(match.group(1))})

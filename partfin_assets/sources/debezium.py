@@ -131,7 +131,7 @@ class DebeziumFileSource:
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
-            raise ValueError(f"max_records must be at least 1, got {max_records}")
+            raise SourceError(f"max_records must be at least 1, got {max_records}")
         position = self._resume(start_offset) if start_offset is not None else _FilePosition()
         idle_since = self._monotonic()
         while True:
@@ -338,4 +338,4 @@ class _FilePosition:
             fields = json.loads(offset)
             return cls(int(fields["byte"]), int(fields["line"]), fields.get("crc32"), b"", fields.get("tail_crc32"))
         except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"not a debezium-file offset: {offset!r} ({exc})") from exc
+            raise SourceError(f"not a debezium-file offset: {offset!r} ({exc})") from exc

@@ -47,6 +47,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from partfin_assets.model.errors import PartfinError, SourceError
 from partfin_assets.model.records import UTC_US, VALID_OPS, implausible_event_time
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
@@ -66,7 +67,7 @@ _EXACT = Context(prec=1_000, traps=[Inexact, InvalidOperation])  # rescaling tha
 _TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
-class RejectedMessage(ValueError):
+class RejectedMessage(PartfinError, ValueError):
     """A message that is not a usable change event; the text is the reason."""
 
 
@@ -494,7 +495,7 @@ class DebeziumJsonDecoder:
 
     def __init__(self, table: str, primary_key: tuple[str, ...], declared: Mapping[str, pa.DataType] | None = None) -> None:
         if not primary_key:
-            raise ValueError(f"table {table!r}: the Debezium decoder needs the primary-key column(s)")
+            raise SourceError(f"table {table!r}: the Debezium decoder needs the primary-key column(s)")
         self.table = table
         self.primary_key = tuple(primary_key)
         self.declared = dict(declared) if declared else None

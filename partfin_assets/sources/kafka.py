@@ -117,28 +117,28 @@ def parse_kafka_spec(argument: str, spec_text: str) -> KafkaSpec:
     bootstrap, hash_mark, fragment = argument.partition("#")
     items = [item.strip() for item in fragment.split(",")] if hash_mark else []
     if not bootstrap.strip() or not items or not items[0] or "=" in items[0]:
-        raise ValueError(f"source {_shown(spec_text)}: expected kafka:BOOTSTRAP#TOPIC[,option=value,...], e.g. kafka:broker:9092#dbserver1.public.orders")
+        raise SourceError(f"source {_shown(spec_text)}: expected kafka:BOOTSTRAP#TOPIC[,option=value,...], e.g. kafka:broker:9092#dbserver1.public.orders")
     options: dict[str, Any] = {}
     properties: dict[str, str] = {}
     for item in filter(None, items[1:]):
         name, equals, value = item.partition("=")
         name = name.strip()
         if not equals:
-            raise ValueError(f"source {_shown(spec_text)}: option {name!r} is not name=value")
+            raise SourceError(f"source {_shown(spec_text)}: option {name!r} is not name=value")
         if "." in name:
             _check_property(name, from_environment=False)
             properties[name] = value.strip()
             continue
         parse = _OPTIONS.get(name.replace("-", "_"))
         if parse is None:
-            raise ValueError(
+            raise SourceError(
                 f"source {_shown(spec_text)}: unknown kafka option {name!r}; known: {', '.join(_OPTIONS)}, "
                 "or a librdkafka property (a name with a dot, e.g. security.protocol=SASL_SSL)"
             )
         try:
             options[name.replace("-", "_")] = parse(value.strip())
         except ValueError as exc:
-            raise ValueError(f"source {_shown(spec_text)}: option {name}: {exc}") from None
+            raise SourceError(f"source {_shown(spec_text)}: option {name}: {exc}") from None
     return KafkaSpec(bootstrap.strip(), items[0], properties=properties, **options)
 
 
@@ -154,9 +154,9 @@ def _shown(spec_text: str) -> str:
 def _check_property(name: str, *, from_environment: bool) -> None:
     owned = _OWNED_PROPERTIES.get(name)
     if owned is not None:
-        raise ValueError(f"kafka property {name} is set by partfin ({owned})")
+        raise SourceError(f"kafka property {name} is set by partfin ({owned})")
     if not from_environment and _SECRET_PROPERTY.search(name):
-        raise ValueError(
+        raise SourceError(
             f"kafka property {name} is a secret: not in the source spec (it is recorded and shown), "
             f"but in the environment as {env_name(name)}"
         )
@@ -206,7 +206,7 @@ class KafkaOffset:
             fields = json.loads(text)
             parsed = cls(fields["topic"], {int(p): int(o) for p, o in fields["partitions"].items()})
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"not a kafka offset: {text!r} ({exc})") from None
+            raise SourceError(f"not a kafka offset: {text!r} ({exc})") from None
         if parsed.topic != topic:
             raise SourceChanged(f"the recorded offsets are of topic {parsed.topic!r}, not {topic!r}")
         return parsed
@@ -306,7 +306,7 @@ class KafkaSource:
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
-            raise ValueError(f"max_records must be at least 1, got {max_records}")
+            raise SourceError(f"max_records must be at least 1, got {max_records}")
         consumer = self._open()
         self._metadata()  # a missing topic is one clear error, not an endless wait
         self._restart_from(start_offset)

@@ -87,6 +87,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from partfin_assets.model.errors import PartfinError, SourceError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
@@ -101,7 +102,7 @@ _FETCH_ROWS = 2_000  # rows per round trip from a peek's server-side cursor
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 
 
-class PostgresSourceError(ValueError):
+class PostgresSourceError(SourceError):
     """A PostgreSQL configuration that logical decoding of the table cannot work with."""
 
 
@@ -148,7 +149,7 @@ class _Position:
                 lsn_to_int(fields["safe"]) if n is not None else None,
             )
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"not a postgres offset: {offset!r} ({exc})") from exc
+            raise SourceError(f"not a postgres offset: {offset!r} ({exc})") from exc
 
 
 # --------------------------------------------------------------------------- column types and values
@@ -578,7 +579,7 @@ class PostgresSource:
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
-            raise ValueError(f"max_records must be at least 1, got {max_records}")
+            raise SourceError(f"max_records must be at least 1, got {max_records}")
         conn = self._connection()
         self._check_server(conn)
         info = self.table_info()
@@ -879,7 +880,7 @@ class _TxnReader:
         return ChangeBatch(records=records, offset=self.position.to_offset(), rejected=rejected)
 
 
-class _Reject(ValueError):
+class _Reject(PartfinError, ValueError):
     pass
 
 

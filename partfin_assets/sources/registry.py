@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from partfin_assets.model.errors import SourceError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.records import CdcSource, ReplayableSource
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceIdentity
@@ -34,7 +35,7 @@ def parse_bool(text: str) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"not a boolean: {text!r}")
+    raise SourceError(f"not a boolean: {text!r}")
 
 
 def _optional_duration(text: str) -> timedelta | None:
@@ -62,7 +63,7 @@ def source_kind(spec_text: str) -> str:
     """The kind named by a source spec; an unknown kind is an error naming the known ones."""
     kind = spec_text.strip().partition(":")[0]
     if kind not in ("synthetic", "debezium", "postgres", "kafka"):
-        raise ValueError(
+        raise SourceError(
             f"unknown source kind {kind!r}; expected 'synthetic[:option=value,...]', 'debezium:PATH',"
             " 'postgres:DSN[#schema.table]' or 'kafka:BOOTSTRAP#TOPIC[,option=value,...]'"
         )
@@ -88,7 +89,7 @@ def make_source(
 
 def _debezium_path(argument: str, spec_text: str) -> str:
     if not argument:
-        raise ValueError(f"source {redact(spec_text)!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
+        raise SourceError(f"source {redact(spec_text)!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
     return argument
 
 
@@ -107,10 +108,10 @@ def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[
     if kind == "kafka":  # column types come from the messages' schema blocks as they are read
         parse_kafka_spec(spec_text.strip().partition(":")[2], spec_text)
         if not key_columns:
-            raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
+            raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
         return TableSpec(table_name, key_columns)
     if not key_columns:
-        raise ValueError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
+        raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
     return debezium_table_spec(_debezium_path(spec_text.strip().partition(":")[2], spec_text), table_name, key_columns)
 
 
@@ -136,16 +137,16 @@ def _postgres_source(
 ) -> CdcSource:
     dsn, source_table, text_options = parse_postgres_spec(argument, table_name)
     if not dsn:
-        raise ValueError(f"source {redact(spec_text)!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
+        raise SourceError(f"source {redact(spec_text)!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
     parsed: dict[str, Any] = {}
     for name, value in text_options.items():
         parse = _POSTGRES_OPTIONS.get(name)
         if parse is None:
-            raise ValueError(f"source {redact(spec_text)!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
+            raise SourceError(f"source {redact(spec_text)!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
         try:
             parsed[name] = parse(value)
         except ValueError as exc:
-            raise ValueError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
+            raise SourceError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return PostgresSource(dsn, source_table, primary_key=key_columns, **{**parsed, **options})
 
 
@@ -168,10 +169,10 @@ def _check_orders_table(table: TableSpec, key_columns: tuple[str, ...] | None) -
     """The synthetic source produces `orders` rows; a table declared otherwise would not match them."""
     for declared in (table.primary_key, key_columns or ORDERS_SPEC.primary_key):
         if declared != ORDERS_SPEC.primary_key:
-            raise ValueError(f"the synthetic source keys rows by {ORDERS_SPEC.primary_key}, not by {declared}")
+            raise SourceError(f"the synthetic source keys rows by {ORDERS_SPEC.primary_key}, not by {declared}")
     # Names only: a declaration read back from the catalog may spell the types differently (large_string).
     if table.columns and set(table.columns) != set(ORDERS_SPEC.columns):
-        raise ValueError(
+        raise SourceError(
             f"the synthetic source produces columns {list(ORDERS_SPEC.columns)}; table {table.name!r} declares "
             f"{list(table.columns)} (use ORDERS_SPEC's columns)"
         )
@@ -183,14 +184,14 @@ def _parse_options(text: str, spec_text: str) -> dict[str, Any]:
         name, equals, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not equals:
-            raise ValueError(f"source {redact(spec_text)!r}: option {item!r} is not name=value")
+            raise SourceError(f"source {redact(spec_text)!r}: option {item!r} is not name=value")
         parse = _SYNTHETIC_OPTIONS.get(name)
         if parse is None:
-            raise ValueError(
+            raise SourceError(
                 f"source {redact(spec_text)!r}: unknown synthetic option {name!r}; known: {', '.join(_SYNTHETIC_OPTIONS)}"
             )
         try:
             options[name] = parse(value.strip())
         except ValueError as exc:
-            raise ValueError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
+            raise SourceError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return options

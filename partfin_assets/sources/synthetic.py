@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from partfin_assets.model.errors import SourceError
 from partfin_assets.model.record_keys import key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.source_identity import SourceIdentity
@@ -78,7 +79,7 @@ class _Position:
             fields = json.loads(offset)
             return cls(int(fields["anchor_us"]), int(fields["next"]), int(fields["clock_us"]))
         except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"not a synthetic-source offset: {offset!r} ({exc})") from exc
+            raise SourceError(f"not a synthetic-source offset: {offset!r} ({exc})") from exc
 
 
 class SyntheticSource:
@@ -128,20 +129,20 @@ class SyntheticSource:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if rate <= 0:
-            raise ValueError(f"rate must be positive, got {rate}")
+            raise SourceError(f"rate must be positive, got {rate}")
         if key_space < 1:
-            raise ValueError(f"key_space must be at least 1, got {key_space}")
+            raise SourceError(f"key_space must be at least 1, got {key_space}")
         for name, fraction in (("delete_fraction", delete_fraction), ("late_fraction", late_fraction)):
             if not 0 <= fraction <= 1:
-                raise ValueError(f"{name} must be within [0, 1], got {fraction}")
+                raise SourceError(f"{name} must be within [0, 1], got {fraction}")
         if max_lateness < timedelta(hours=1):
-            raise ValueError(f"max_lateness must be at least one hour, got {max_lateness}")
+            raise SourceError(f"max_lateness must be at least one hour, got {max_lateness}")
         if idle_every is not None and not timedelta(0) <= idle_for < idle_every:
-            raise ValueError(f"idle_for ({idle_for}) must be shorter than idle_every ({idle_every})")
+            raise SourceError(f"idle_for ({idle_for}) must be shorter than idle_every ({idle_every})")
         if heartbeat_every <= timedelta(0):
-            raise ValueError(f"heartbeat_every must be positive, got {heartbeat_every}")
+            raise SourceError(f"heartbeat_every must be positive, got {heartbeat_every}")
         if follow and end is not None:
-            raise ValueError("a following source has no end")
+            raise SourceError("a following source has no end")
         self.seed = seed
         self.rate = rate
         self.follow = follow
@@ -192,7 +193,7 @@ class SyntheticSource:
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
-            raise ValueError(f"max_records must be at least 1, got {max_records}")
+            raise SourceError(f"max_records must be at least 1, got {max_records}")
         position = (
             _Position.from_offset(start_offset)
             if start_offset is not None

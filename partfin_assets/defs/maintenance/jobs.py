@@ -40,6 +40,7 @@ from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.model.errors import InvalidInput
 
 
 def _exists(iceberg, identifier: str) -> bool:
@@ -134,7 +135,7 @@ def build_privacy_job(table: PartfinTable):
         pk = set(table.spec.primary_key)
         for key in config.keys:
             if set(key) != pk:
-                raise ValueError(f"key {key} does not name exactly the primary key {sorted(pk)} of {name}")
+                raise InvalidInput(f"key {key} does not name exactly the primary key {sorted(pk)} of {name}")
         iceberg = catalog.load()
         with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
             result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id)

@@ -39,6 +39,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
+from partfin_assets.model.errors import PartfinError
 
 # how JsonConverter and partfin's sources write the floats JSON has no number for
 _NON_FINITE = re.compile(r'"(?:NaN|-?Infinity)"')
@@ -53,7 +54,7 @@ class Unfit:
     reason: str
 
 
-class _Unfit(Exception):
+class _Unfit(PartfinError):
     def __init__(self, column: str | None, reason: str) -> None:
         super().__init__(reason)
         self.column = column
