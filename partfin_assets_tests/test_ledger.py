@@ -204,3 +204,22 @@ def test_many_cli_checkpoints_then_expiry_status_and_checks_report_every_late_re
 
 def _hour_key(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d-%H:00")
+
+
+def test_one_ledger_commit_per_checkpoint_leaves_few_files_and_loses_no_row(catalog):
+    """A writer that records every checkpoint on its own (a slow stream) must not leave one file per checkpoint."""
+    from partfin_assets.iceberg.files import data_files
+    from partfin_assets.iceberg.ledger import LEDGER_MAX_SMALL_FILES
+
+    writer = CdcWriter(catalog, ORDERS)
+    writer._ledger.max_pending = 1  # as a stream with checkpoints further apart than the ledger's 5 s
+    try:
+        for i in range(LEDGER_MAX_SMALL_FILES + 20):
+            writer.write_checkpoint(change_batch(T0_US + i * 60_000_000 + np.arange(5) * 1_000_000, offset=str(i), seq_start=10 * i))
+    finally:
+        writer.close()
+    ledger = catalog.load_table("cdc.orders__ledger")
+    assert len(data_files(ledger, ledger.current_snapshot())) < LEDGER_MAX_SMALL_FILES
+    rows = read_ledger(catalog, "cdc.orders")
+    assert _checkpoints(rows) == {("orders-writer", i) for i in range(1, LEDGER_MAX_SMALL_FILES + 21)}
+    assert rows["records"].sum() == 5 * (LEDGER_MAX_SMALL_FILES + 20)

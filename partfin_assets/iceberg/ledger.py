@@ -45,8 +45,9 @@ from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
-from partfin_assets.iceberg.files import read_files
+from partfin_assets.iceberg.files import data_files, delete_files, read_files, write_data_files
 from partfin_assets.iceberg.history import lineage, summary_of, watermark_of
+from partfin_assets.iceberg.row_delta import row_delta
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
@@ -168,6 +169,7 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
     frame = pl.from_arrow(rows.select(["stream", "checkpoint_id"]))
     assert isinstance(frame, pl.DataFrame)
     left_out: set[str] = set()
+    written: list[DataFile] = []  # an attempt's compacted file(s): removed if that attempt does not land
 
     def build(table: Table, commit_id: str):
         left_out.clear()
@@ -186,17 +188,37 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
             last[stream] = int(new["checkpoint_id"].max())
         if not last:
             return None
-        summary = {K.LEDGER_CHECKPOINTS: compact_json(last)}
+        summary = snapshot_summary_with_commit_id({K.LEDGER_CHECKPOINTS: compact_json(last)}, commit_id, JobKind.INTO)
+        new = rows.filter(pa.array(keep))
         tx = new_transaction(table)
-        tx.append(rows.filter(pa.array(keep)), snapshot_properties=snapshot_summary_with_commit_id(summary, commit_id, JobKind.INTO))
         tx.set_properties({K.PROP_LEDGER_PREFIX + stream: str(n) for stream, n in last.items()})
+        small = [f for f in data_files(table, table.current_snapshot()) if f.file_size_in_bytes < LEDGER_SMALL_FILE_BYTES]
+        if len(small) < LEDGER_MAX_SMALL_FILES:
+            tx.append(new, snapshot_properties=summary)
+            return tx
+        # one small file per commit would pile up (readers open every one): fold them into one with the new rows
+        delete_files(table.io, [f.file_path for f in written])
+        written[:] = write_data_files(table, pa.concat_tables([read_files(table, small, deletes=[]), new.cast(LEDGER_ARROW_SCHEMA)]))
+        with row_delta(tx, summary) as delta:
+            for data_file in small:
+                delta.remove_file(data_file)
+            for data_file in written:
+                delta.add_file(data_file)
         return tx
 
     ensure_ledger_table(catalog, cdc_identifier)
-    result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build)
+    try:
+        result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build)
+    except BaseException:
+        delete_files(catalog.load_table(ledger_identifier(cdc_identifier)).io, [f.file_path for f in written])
+        raise
     if result.snapshot is not None:
         _expire_ledger_snapshots(result.table)
     return left_out
+
+
+LEDGER_SMALL_FILE_BYTES = 8 * 1024 * 1024
+LEDGER_MAX_SMALL_FILES = 32
 
 
 LEDGER_KEEP_SNAPSHOTS = 5  # the ledger's rows are its live files: older snapshots only slow its commits down
@@ -205,8 +227,13 @@ LEDGER_EXPIRY_SLACK = 20
 
 def _expire_ledger_snapshots(ledger: Table) -> None:
     snapshots = sorted(ledger.metadata.snapshots, key=lambda s: s.sequence_number)
-    if len(snapshots) > LEDGER_KEEP_SNAPSHOTS + LEDGER_EXPIRY_SLACK:
-        remove_snapshots(ledger, snapshots[:-LEDGER_KEEP_SNAPSHOTS])
+    if len(snapshots) <= LEDGER_KEEP_SNAPSHOTS + LEDGER_EXPIRY_SLACK:
+        return
+    expired, kept = snapshots[:-LEDGER_KEEP_SNAPSHOTS], snapshots[-LEDGER_KEEP_SNAPSHOTS:]
+    referenced = {f.file_path for s in kept for f in data_files(ledger, s)}
+    folded = {f.file_path for s in expired for f in data_files(ledger, s)} - referenced  # small files folded since
+    if remove_snapshots(ledger, expired):
+        delete_files(ledger.io, sorted(folded))
 
 
 class LedgerAppender:
