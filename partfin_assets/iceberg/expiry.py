@@ -68,7 +68,7 @@ def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
     if not expired:
         return 0
     if any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
-        reconcile(table.catalog, table)  # every one reaches the late-data ledger before its snapshot goes
+        reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired)
 
 

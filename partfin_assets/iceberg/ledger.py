@@ -47,7 +47,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.files import data_files, delete_files, read_files, write_data_files
 from partfin_assets.iceberg.history import lineage, summary_of, watermark_of
-from partfin_assets.iceberg.row_delta import row_delta
+from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
@@ -192,21 +192,22 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
         new = rows.filter(pa.array(keep))
         tx = new_transaction(table)
         tx.set_properties({K.PROP_LEDGER_PREFIX + stream: str(n) for stream, n in last.items()})
-        small = [f for f in data_files(table, table.current_snapshot()) if f.file_size_in_bytes < LEDGER_SMALL_FILE_BYTES]
+        current = table.current_snapshot()
+        files = int(summary_of(current).get("total-data-files", "0")) if current is not None else 0
+        small = [] if files < LEDGER_MAX_SMALL_FILES else [
+            f for f in data_files(table, current) if f.file_size_in_bytes < LEDGER_SMALL_FILE_BYTES
+        ]
         if len(small) < LEDGER_MAX_SMALL_FILES:
             tx.append(new, snapshot_properties=summary)
             return tx
         # one small file per commit would pile up (readers open every one): fold them into one with the new rows
         delete_files(table.io, [f.file_path for f in written])
         written[:] = write_data_files(table, pa.concat_tables([read_files(table, small, deletes=[]), new.cast(LEDGER_ARROW_SCHEMA)]))
-        with row_delta(tx, summary) as delta:
-            for data_file in small:
-                delta.remove_file(data_file)
-            for data_file in written:
-                delta.add_file(data_file)
+        swap_files(tx, summary, small, written)
         return tx
 
-    ensure_ledger_table(catalog, cdc_identifier)
+    if not catalog.table_exists(ledger_identifier(cdc_identifier)):  # created with the cdc table; a table older than the ledger
+        ensure_ledger_table(catalog, cdc_identifier)
     try:
         result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build)
     except BaseException:
@@ -241,8 +242,9 @@ class LedgerAppender:
 
     One ledger commit per checkpoint would double the commits of a fast writer, so rows wait until
     `max_pending` checkpoints or `max_wait_s` seconds piled up (the next checkpoint, or an idle
-    source's empty batch, records them), and always before a snapshot expiry and when the writer
-    stops. A crash loses only pending rows, which `reconcile` rebuilds from the CDC history.
+    source's empty batch, records them), and when the writer stops. A crash loses only pending
+    rows, which `reconcile` rebuilds from the CDC history; expiry reconciles the snapshots it
+    removes, and the writer records its pending rows first if they could be among them.
     """
 
     def __init__(self, catalog: Catalog, cdc_identifier: str, *, max_pending: int = 10, max_wait_s: float = 5.0) -> None:
@@ -295,17 +297,18 @@ def _stream_checkpoint(snapshot: Snapshot, summary: Mapping[str, str]) -> tuple[
     return None
 
 
-def reconcile(catalog: Catalog, cdc: Table) -> int:
+def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = None) -> int:
     """Record every retained checkpoint (and replay) of `cdc` the ledger does not hold; returns the rows added.
 
-    Cheap when nothing is missing (table metadata only); rows of a missing checkpoint are rebuilt
-    from the data files its snapshot added, so they equal the ones its writer would have recorded.
+    `snapshots`: only these (the ones an expiry is about to remove). Cheap when nothing is missing
+    (table metadata only); rows of a missing checkpoint are rebuilt from the data files its
+    snapshot added, so they equal the ones its writer would have recorded.
     """
     identifier = _dotted(cdc)
     ledger = ensure_ledger_table(catalog, identifier)
     recorded = recorded_checkpoints(ledger.properties)
     missing: list[tuple[str, int, Snapshot]] = []
-    for snapshot in lineage(cdc.metadata):
+    for snapshot in lineage(cdc.metadata) if snapshots is None else snapshots:
         summary = summary_of(snapshot)
         found = _stream_checkpoint(snapshot, summary)
         if found is not None and found[1] > recorded.get(found[0], 0):

@@ -136,3 +136,12 @@ def row_delta(transaction, snapshot_properties: dict[str, str]) -> RowDelta:
         io=transaction._table.io,
         snapshot_properties=snapshot_properties,
     )
+
+
+def swap_files(transaction, snapshot_properties: dict[str, str], remove: list[DataFile], add: list[DataFile]) -> None:
+    """Stage one snapshot that removes `remove` and adds `add` (data or delete files), whole files only."""
+    with row_delta(transaction, snapshot_properties) as delta:
+        for data_file in remove:
+            delta.remove_file(data_file)
+        for data_file in add:
+            delta.add_file(data_file)

@@ -33,7 +33,7 @@ from partfin_assets.iceberg.files import (
 )
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.iceberg.position_deletes import write_position_deletes
-from partfin_assets.iceberg.row_delta import row_delta
+from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.jobs.conflicts import CommitConflictError, Conflict, commits_touching, find_conflict
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
@@ -396,9 +396,5 @@ def _stage_file_swap(
         return False
     if properties:
         tx.set_properties(dict(properties))
-    with row_delta(tx, snapshot_summary) as delta:
-        for data_file in remove:
-            delta.remove_file(data_file)
-        for data_file in add:
-            delta.add_file(data_file)
+    swap_files(tx, snapshot_summary, remove, add)
     return True
