@@ -133,8 +133,8 @@ WITHOUT_LEDGER: set[str] = set()
 _reconcile = expiry.reconcile
 
 
-def _reconcile_unless_without_ledger(catalog, table):
-    return 0 if table.location() in WITHOUT_LEDGER else _reconcile(catalog, table)
+def _reconcile_unless_without_ledger(catalog, table, snapshots=None):
+    return 0 if table.location() in WITHOUT_LEDGER else _reconcile(catalog, table, snapshots)
 
 
 def ledger_overhead(root: Path, batches: list[ChangeBatch], repeats: int) -> dict[str, float]:
