@@ -527,6 +527,8 @@ def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatc
     calls = []
 
     def flaky(self):
+        if "__ledger" in ".".join(self._table.name()):  # the replay's row in the late-data ledger, after its commit
+            return real(self)
         calls.append(1)
         if len(calls) == 1:
             if landed:
