@@ -103,6 +103,14 @@ def _namespace_exists(catalog: Catalog, namespace: str) -> bool:
         return False
 
 
+def load_table_if_exists(catalog: Catalog, identifier: str) -> Table | None:
+    """The table, or None when it (or its namespace) does not exist yet."""
+    try:
+        return catalog.load_table(identifier)
+    except (NoSuchTableError, NoSuchNamespaceError):
+        return None
+
+
 def load_existing_table(catalog: Catalog, identifier: str, hint: str = "") -> Table:
     """Load a table or raise one clear line saying which table or namespace is missing."""
     try:

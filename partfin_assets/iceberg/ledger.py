@@ -39,11 +39,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.manifest import DataFile, ManifestContent, ManifestEntryStatus
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.files import data_files, delete_files, read_files, write_data_files
 from partfin_assets.iceberg.history import lineage, summary_of, watermark_of
@@ -363,9 +363,8 @@ def _dotted(table: Table) -> str:
 def read_ledger(catalog: Catalog, cdc_identifier: str, *, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
     """The ledger's rows (all columns, or `columns`), oldest checkpoint first; empty when there is no ledger yet."""
     names = list(columns) if columns is not None else LEDGER_ARROW_SCHEMA.names
-    try:
-        ledger = catalog.load_table(ledger_identifier(cdc_identifier))
-    except (NoSuchTableError, NoSuchNamespaceError):
+    ledger = load_table_if_exists(catalog, ledger_identifier(cdc_identifier))
+    if ledger is None:
         data = LEDGER_ARROW_SCHEMA.empty_table().select(names)
     else:
         data = ledger.scan(selected_fields=tuple(names)).to_arrow() if ledger.current_snapshot() is not None else \

@@ -19,25 +19,17 @@ from dagster import (
     in_process_executor,
     sensor,
 )
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hours import hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
-
-
-def _load(catalog: IcebergCatalogResource, identifier: str):
-    try:
-        return catalog.load().load_table(identifier)
-    except (NoSuchTableError, NoSuchNamespaceError):
-        return None
 
 
 def _iso(us: int | None) -> str | None:
@@ -51,7 +43,7 @@ def build_checks(table: PartfinTable):
         f"partfin.watermark is set on cdc.{name} and trails now by at most {table.lag_warn_seconds}s (WARN) / "
         f"{table.lag_error_seconds}s (ERROR)."))
     def watermark_fresh(catalog: IcebergCatalogResource) -> AssetCheckResult:
-        cdc = _load(catalog, f"cdc.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         watermark = watermark_of(cdc.properties) if cdc is not None else None
         if watermark is None:
             return AssetCheckResult(passed=False, severity=AssetCheckSeverity.ERROR, description=f"cdc.{name} has no watermark yet")
@@ -64,14 +56,14 @@ def build_checks(table: PartfinTable):
             passed=passed,
             severity=severity,
             description=f"watermark {iso_z(watermark)} trails now by {lag:.0f}s",
-            metadata=dagster_metadata({"watermark": iso_z(watermark), "lag_seconds": lag,
-                                        "warn_after_seconds": table.lag_warn_seconds, "error_after_seconds": table.lag_error_seconds}),
+            metadata={"watermark": iso_z(watermark), "lag_seconds": lag,
+                                        "warn_after_seconds": table.lag_warn_seconds, "error_after_seconds": table.lag_error_seconds},
         )
 
     @asset_check(asset=table.cdc_key, name="watermark_monotonic",
                  description=f"The watermark recorded by every retained snapshot of cdc.{name} never decreases, and the table property is not behind the newest one.")
     def watermark_monotonic(catalog: IcebergCatalogResource) -> AssetCheckResult:
-        cdc = _load(catalog, f"cdc.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         if cdc is None:
             return AssetCheckResult(passed=True, description=f"cdc.{name} does not exist yet")
         history = watermark_history(cdc.metadata)
@@ -83,18 +75,18 @@ def build_checks(table: PartfinTable):
             passed=passed,
             severity=AssetCheckSeverity.ERROR,
             description="monotonic" if passed else f"{len(regressions)} regression(s); property behind newest snapshot: {behind}",
-            metadata=dagster_metadata({
+            metadata={
                 "snapshots_checked": len(history),
                 "watermark": _iso(prop),
                 "regressions": [{"from_snapshot": a.snapshot_id, "from": iso_z(a.watermark_us), "to_snapshot": b.snapshot_id,
                                  "to": iso_z(b.watermark_us)} for a, b in regressions[:MAX_LISTED]],
-            }),
+            },
         )
 
     @asset_check(asset=table.cdc_key, name="late_data",
                  description=f"Records that arrived below the watermark in force, per hour partition of cdc.{name}, with the commits that brought them, over the table's whole history (its late-data ledger); WARN.")
     def late_data_check(catalog: IcebergCatalogResource) -> AssetCheckResult:
-        cdc = _load(catalog, f"cdc.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         if cdc is None:
             return AssetCheckResult(passed=True, description=f"cdc.{name} does not exist yet")
         late = late_data(catalog.load(), f"cdc.{name}")  # the durable ledger: outlives snapshot expiry
@@ -106,19 +98,19 @@ def build_checks(table: PartfinTable):
             passed=False,
             severity=AssetCheckSeverity.WARN,
             description=f"{total} late record(s) in {len(late)} hour partition(s): {', '.join(hour_key(h.hour_us) for h in newest)}",
-            metadata=dagster_metadata({
+            metadata={
                 "late_records": total,
                 "late_partitions": len(late),
                 "by_partition": {hour_key(h.hour_us): h.records for h in newest},
                 "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
-            }),
+            },
         )
 
     @asset_check(asset=table.base_key, name="watermark_matches_merged_cdc_snapshot",
                  description=f"base.{name}'s watermark equals the watermark of the cdc.{name} snapshot it merged (partfin.source-snapshot-id).")
     def base_matches_cdc(catalog: IcebergCatalogResource) -> AssetCheckResult:
-        base = _load(catalog, f"base.{name}")
-        cdc = _load(catalog, f"cdc.{name}")
+        base = load_table_if_exists(catalog.load(), f"base.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         if base is None or cdc is None or not base.properties.get(K.PROP_SOURCE_SNAPSHOT_ID):
             return AssetCheckResult(passed=True, description="nothing merged yet")
         source_id = int(base.properties[K.PROP_SOURCE_SNAPSHOT_ID])
@@ -132,14 +124,14 @@ def build_checks(table: PartfinTable):
             passed=expected == actual,
             severity=AssetCheckSeverity.ERROR,
             description=f"base watermark {actual}, merged cdc snapshot {source_id} watermark {expected}",
-            metadata=dagster_metadata({"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id}),
+            metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id},
         )
 
     @asset_check(asset=table.base_key, name="watermark_lag_vs_cdc",
                  description=f"base.{name}'s watermark lags cdc.{name}'s by at most {table.base_max_lag_seconds}s.")
     def base_lag(catalog: IcebergCatalogResource) -> AssetCheckResult:
-        base = _load(catalog, f"base.{name}")
-        cdc = _load(catalog, f"cdc.{name}")
+        base = load_table_if_exists(catalog.load(), f"base.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         cdc_w = watermark_of(cdc.properties) if cdc is not None else None
         base_w = watermark_of(base.properties) if base is not None else None
         if cdc_w is None:
@@ -151,14 +143,14 @@ def build_checks(table: PartfinTable):
             passed=lag <= table.base_max_lag_seconds,
             severity=AssetCheckSeverity.WARN,
             description=f"base lags cdc by {lag:.0f}s (bound {table.base_max_lag_seconds}s)",
-            metadata=dagster_metadata({"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag_seconds": float(lag),
-                                        "bound_seconds": table.base_max_lag_seconds}),
+            metadata={"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag_seconds": float(lag),
+                                        "bound_seconds": table.base_max_lag_seconds},
         )
 
     @asset_check(asset=table.activity_key, name="late_data_after_run",
                  description=f"Late records arrived in cdc.{name} for an hour after that hour's partition ran; names the partitions to re-run (WARN).")
     def late_after(context: AssetCheckExecutionContext, catalog: IcebergCatalogResource) -> AssetCheckResult:
-        cdc = _load(catalog, f"cdc.{name}")
+        cdc = load_table_if_exists(catalog.load(), f"cdc.{name}")
         if cdc is None:
             return AssetCheckResult(passed=True, description=f"cdc.{name} does not exist yet")
         late = late_data(catalog.load(), f"cdc.{name}")
@@ -185,7 +177,7 @@ def build_checks(table: PartfinTable):
             passed=False,
             severity=AssetCheckSeverity.WARN,
             description=f"late data arrived after these partitions ran; re-run them: {', '.join(keys[-MAX_LISTED:])}",
-            metadata=dagster_metadata({"partitions_to_rerun": keys[-MAX_LISTED:], "details": {k: stale[k] for k in keys[-MAX_LISTED:]}}),
+            metadata={"partitions_to_rerun": keys[-MAX_LISTED:], "details": {k: stale[k] for k in keys[-MAX_LISTED:]}},
         )
 
     @asset_check(asset=table.cdc_key, name="rejected_input", description=(
@@ -211,9 +203,9 @@ def build_checks(table: PartfinTable):
 
 
 def _bad_input_result(catalog: IcebergCatalogResource, identifier: str, what: str) -> AssetCheckResult:
-    held = _load(catalog, identifier)
+    held = load_table_if_exists(catalog.load(), identifier)
     count = total_records(held) if held is not None else 0
-    metadata = dagster_metadata({"records": count, "table": identifier})
+    metadata = {"records": count, "table": identifier}
     if not count:
         return AssetCheckResult(passed=True, description=f"{identifier} is empty", metadata=metadata)
     return AssetCheckResult(
@@ -235,7 +227,7 @@ def build_checks_sensor(table: PartfinTable, checks_job):
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         state = []
         for identifier in (f"cdc.{table.name}", f"base.{table.name}"):
-            loaded = _load(catalog, identifier)
+            loaded = load_table_if_exists(catalog.load(), identifier)
             snapshot = loaded.current_snapshot() if loaded is not None else None
             state.append(str(snapshot.snapshot_id) if snapshot else "-")
         latest = context.instance.get_latest_materialization_event(table.activity_key)

@@ -8,10 +8,10 @@ run of a hour that is not final yet fails at once unless run config sets `force:
 
 
 import polars as pl
-from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset, define_asset_job, in_process_executor
+from dagster import AssetExecutionContext, Failure, MaterializeResult, asset, define_asset_job, in_process_executor
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
-from partfin_assets.defs.metadata import dagster_metadata
+from partfin_assets.defs.force import ForceConfig, refuse_unless_forced
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key, is_finalized, not_finalized_reason
@@ -21,8 +21,8 @@ from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.testing.faults import fail_once
 
 
-class ActivityConfig(Config):
-    force: bool = False  # materialize even though the hour is not finalized yet (the result may change)
+class ActivityConfig(ForceConfig):
+    """force: materialize even though the hour is not finalized yet (the result may change)."""
 
 
 class NotFinalized(Failure):
@@ -49,14 +49,7 @@ def build_activity_asset(table: PartfinTable):
         base = iceberg.load_table(f"base.{name}")  # one metadata version: watermark and rows agree
         watermark = watermark_of(base.properties)
         refusal = not_finalized_reason(hour, watermark, f"base.{name}")
-        if refusal and not config.force:
-            raise NotFinalized(
-                description=(
-                    f"{refusal}. To materialize it anyway, set run config "
-                    f"ops.{table.activity_key.to_python_identifier()}.config.force: true."
-                ),
-                allow_retries=False,
-            )
+        refuse_unless_forced(config, refusal, table.activity_key, NotFinalized)
         home = catalog.config().home
         fail_once(name, partition_key, home)
 
@@ -90,7 +83,7 @@ def build_activity_asset(table: PartfinTable):
         live = int(buckets["live"].sum()) if buckets.height else 0
         deleted = int(buckets["deleted"].sum()) if buckets.height else 0
         return MaterializeResult(
-            metadata=dagster_metadata(
+            metadata=
                 {
                     "hour": iso_z(hour),
                     "rows": frame.height,
@@ -104,7 +97,7 @@ def build_activity_asset(table: PartfinTable):
                     "cdc_sequence_number": cdc_sequence,
                     "path": str(path),
                 }
-            )
+            
         )
 
     job = define_asset_job(

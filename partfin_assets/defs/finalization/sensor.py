@@ -25,12 +25,11 @@ from dagster import (
     SkipReason,
     sensor,
 )
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
@@ -56,11 +55,8 @@ def finalized_spec(table: PartfinTable) -> AssetSpec:
 
 def first_data_hour(iceberg, table: PartfinTable) -> int | None:
     """The earliest hour partition cdc.<table> holds (manifest metadata, read once to seed the cursor)."""
-    try:
-        cdc = iceberg.load_table(f"cdc.{table.name}")
-    except (NoSuchTableError, NoSuchNamespaceError):
-        return None
-    if cdc.current_snapshot() is None:
+    cdc = load_table_if_exists(iceberg, f"cdc.{table.name}")
+    if cdc is None or cdc.current_snapshot() is None:
         return None
     partitions = cdc.inspect.partitions().column("partition").to_pylist()
     hours = [p["event_time_hour"] for p in partitions if p and p.get("event_time_hour") is not None]
@@ -76,9 +72,8 @@ def last_emitted_hour(instance, key: AssetKey) -> int | None:
 
 def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable, iceberg_resource: IcebergCatalogResource, job_name: str | None = None):
     iceberg = iceberg_resource.load()
-    try:
-        base = iceberg.load_table(f"base.{table.name}")
-    except (NoSuchTableError, NoSuchNamespaceError):
+    base = load_table_if_exists(iceberg, f"base.{table.name}")
+    if base is None:
         return SkipReason(f"base.{table.name} does not exist yet")
     watermark = watermark_of(base.properties)
     if watermark is None:
@@ -127,14 +122,14 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                     asset_key=table.finalized_key,
                     partition=key,
                     description=f"hour {iso_z(hour)} of base.{table.name} is final (watermark {iso_z(watermark)})",
-                    metadata=dagster_metadata(
+                    metadata=
                         {
                             "hour": iso_z(hour),
                             "watermark": iso_z(watermark),
                             "base_snapshot_id": base_snapshot.snapshot_id if base_snapshot else None,
                             "cdc_snapshot_id": int(source_snapshot) if source_snapshot else None,
                         }
-                    ),
+                    ,
                 )
             )
     next_cursor = FinalizationCursor(hours[-1] + US_PER_HOUR)

@@ -29,26 +29,17 @@ from dagster import (
     job,
     op,
 )
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
-from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, schedule_default_status
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.model.errors import InvalidInput
-
-
-def _exists(iceberg, identifier: str) -> bool:
-    try:
-        iceberg.load_table(identifier)
-        return True
-    except (NoSuchTableError, NoSuchNamespaceError):
-        return False
 
 
 # --------------------------------------------------------------------------- compaction
@@ -67,7 +58,7 @@ def _compact_op(table: PartfinTable, layer: str):
     @op(name=f"compact_{layer}_{name}", ins={"after": In(Nothing)}, out=Out(Nothing), tags={"kind": "iceberg"})
     def compact_op(context: OpExecutionContext, config: CompactionConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
-        if not _exists(iceberg, identifier):
+        if load_table_if_exists(iceberg, identifier) is None:
             context.log.info(f"{identifier} does not exist yet: nothing to compact")
             return
         with retry_on_conflict(context, f"compaction of {identifier}"):
@@ -91,7 +82,7 @@ def _compact_op(table: PartfinTable, layer: str):
             "attempt": context.retry_number + 1,
             "per_partition": {p.partition: {"files_before": p.files_before, "files_after": p.files_after} for p in result.partitions[:48]},
         }
-        context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata({"compaction": True, **metadata})))
+        context.log_event(AssetObservation(asset_key=asset_key, metadata={"compaction": True, **metadata}))
 
     return compact_op
 
@@ -150,14 +141,14 @@ def build_privacy_job(table: PartfinTable):
             context.log_event(
                 AssetObservation(
                     asset_key=asset_key,
-                    metadata=dagster_metadata({
+                    metadata={
                         "privacy_request_id": config.request_id,
                         "iceberg_table": identifier,
                         "deleted_records": deleted,
                         "files_rewritten": sum(r.files_rewritten for r in results),
                         "snapshot_ids": [r.snapshot_id for r in results],
                         "keys": len(config.keys),
-                    }),
+                    },
                 )
             )
 
@@ -192,28 +183,28 @@ def build_maintenance_job(table: PartfinTable):
     def expire_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
         for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
-            if not _exists(iceberg, identifier):
+            if load_table_if_exists(iceberg, identifier) is None:
                 continue
             expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last))
             left = len(iceberg.load_table(identifier).metadata.snapshots)
             context.log.info(f"{identifier}: {expired} snapshot(s) expired, {left} kept")
-            context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata(
-                {"iceberg_table": identifier, "snapshots_expired": expired, "snapshots_kept": left})))
+            context.log_event(AssetObservation(asset_key=asset_key, metadata=
+                {"iceberg_table": identifier, "snapshots_expired": expired, "snapshots_kept": left}))
 
     @op(name=f"remove_orphans_{name}", ins={"after": In(Nothing)}, out=Out(Nothing), tags={"kind": "iceberg"})
     def orphans_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
         age = config.orphan_min_age_seconds if config.orphan_min_age_seconds is not None else table.orphan_min_age_seconds
         for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
-            if not _exists(iceberg, identifier):
+            if load_table_if_exists(iceberg, identifier) is None:
                 continue
             report = maintenance_core.remove_orphan_files(iceberg, identifier, older_than_s=age, dry_run=config.dry_run)
             context.log.info(f"{identifier}: {len(report.orphans)} orphan file(s) {'found' if config.dry_run else 'deleted'}, "
                              f"{len(report.too_young)} younger than {age}s kept")
-            context.log_event(AssetObservation(asset_key=asset_key, metadata=dagster_metadata({
+            context.log_event(AssetObservation(asset_key=asset_key, metadata={
                 "iceberg_table": identifier, "orphan_files": len(report.orphans), "orphan_bytes": report.bytes_orphaned,
                 "too_young": len(report.too_young), "files_scanned": report.scanned, "dry_run": config.dry_run,
-                "orphan_min_age_seconds": age})))
+                "orphan_min_age_seconds": age}))
 
     @job(
         name=f"maintain_{name}",

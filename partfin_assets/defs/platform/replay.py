@@ -16,23 +16,23 @@ replay reads only what the writer committed, so the writer never appends a recor
 """
 
 
-from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+from dagster import AssetExecutionContext, Failure, MaterializeResult, asset
 
-from partfin_assets.defs.metadata import dagster_metadata
+from partfin_assets.defs.force import ForceConfig, refused
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.finalization.partition_metadata import checkpoint_reports
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import summary_of
 from partfin_assets.jobs.replay import ReplayRefused, ReplayResult, replay_hour_from_history
 from partfin_assets.model.source_identity import ReplayNotPossible
 from partfin_assets.model.timeutil import iso_z
 
 
-class ReplayConfig(Config):
-    force: bool = False  # replace the hour even if that removes far more records than it adds (see the module docstring)
+class ReplayConfig(ForceConfig):
+    """force: replace the hour even if that removes far more records than it adds (see the module docstring)."""
 
 
 def replay_pool(table: PartfinTable) -> str:
@@ -74,9 +74,7 @@ def build_cdc_asset(table: PartfinTable):
     def cdc(context: AssetExecutionContext, config: ReplayConfig, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource) -> MaterializeResult:
         hour = hour_from_key(context.partition_key)
         iceberg = catalog.load()
-        try:
-            iceberg.load_table(f"cdc.{name}")
-        except (NoSuchTableError, NoSuchNamespaceError):
+        if load_table_if_exists(iceberg, f"cdc.{name}") is None:
             raise Failure(description=f"cdc.{name} does not exist yet: run sync_{name} first", allow_retries=False)
         try:
             with retry_on_conflict(context, f"replay of {iso_z(hour)} of cdc.{name}"):  # a rewrite raced its appends
@@ -86,9 +84,7 @@ def build_cdc_asset(table: PartfinTable):
                     force=config.force, max_records=cdc_source.max_records,
                 )
         except ReplayRefused as exc:
-            raise Failure(
-                description=f"{exc} (ops.{table.cdc_key.to_python_identifier()}.config.force: true)", allow_retries=False
-            ) from None
+            raise refused(str(exc), table.cdc_key) from None
         except ReplayNotPossible as exc:
             raise Failure(description=str(exc), allow_retries=False) from None
         summary, committed_at = None, 0
@@ -102,6 +98,6 @@ def build_cdc_asset(table: PartfinTable):
             f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
             f"{result.late_records} late), snapshot {result.snapshot_id}"
         )
-        return MaterializeResult(metadata=dagster_metadata(replay_metadata(name, result, summary, committed_at)))
+        return MaterializeResult(metadata=replay_metadata(name, result, summary, committed_at))
 
     return cdc

@@ -28,7 +28,6 @@ from dagster import (
     sensor,
 )
 
-from partfin_assets.defs.metadata import dagster_metadata
 from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
@@ -83,7 +82,7 @@ def _log_reports(context: OpExecutionContext, table: PartfinTable, asset_key, re
                 partition=report.partition_key,
                 description=f"{asset_key.to_user_string()} partition {report.partition_key}: {report.stats.records} record(s) "
                 f"by snapshot {report.snapshot_id}, finalized: {report.finalized}",
-                metadata=dagster_metadata(report.metadata()),
+                metadata=report.metadata(),
             )
         )
         logged += 1
@@ -136,7 +135,7 @@ def build_sync_job(table: PartfinTable):
         context.log_event(
             AssetObservation(
                 asset_key=table.cdc_key,
-                metadata=dagster_metadata(
+                metadata=
                     {
                         "watermark": iso_z(watermark) if watermark is not None else None,
                         "watermark_lag_seconds": lag_seconds(watermark, now_us),
@@ -144,7 +143,7 @@ def build_sync_job(table: PartfinTable):
                         "late_records_total": sum(h.records for h in late.values()),
                         "late_partitions": len(late),
                     }
-                ),
+                ,
             )
         )
 
