@@ -37,7 +37,8 @@ SOURCES = {
     "unknown-option": f"postgres:host=127.0.0.1 port=1 user=cdc password={SECRET} dbname=shop#orders,bogus=1",
     "bad-option-value": f"postgres:host=127.0.0.1 port=1 user=cdc password={SECRET} dbname=shop#orders,heartbeat_interval=soon",
     "bad-slot": f"postgres:postgresql://cdc:{SECRET}@127.0.0.1:1/shop#orders,slot=Bad Slot",
-    "unknown-kind": f"kafka://cdc:{SECRET}@127.0.0.1:1/orders",
+    "kafka-userinfo": f"kafka://cdc:{SECRET}@127.0.0.1:1/orders",
+    "unknown-kind": f"mysql://cdc:{SECRET}@127.0.0.1:1/orders",
 }
 
 

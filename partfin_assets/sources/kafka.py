@@ -146,9 +146,9 @@ def _shown(spec_text: str) -> str:
     """A spec as it may be shown in an error: option values after the topic are left out (they may be secrets)."""
     head, hash_mark, fragment = spec_text.partition("#")
     if not hash_mark:
-        return repr(spec_text)
+        return repr(redact(spec_text))
     names = [item.partition("=")[0] for item in fragment.split(",")]
-    return repr(f"{head}#{','.join([names[0], *(f'{n}=...' for n in names[1:] if n)])}")
+    return repr(redact(f"{head}#{','.join([names[0], *(f'{n}=...' for n in names[1:] if n)])}"))
 
 
 def _check_property(name: str, *, from_environment: bool) -> None:
