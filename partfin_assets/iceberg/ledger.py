@@ -9,17 +9,19 @@ dict layout) of event time and of lateness (arrival - event time, seconds; arriv
 record's `arrival_time`, else the commit's clock). A checkpoint without records (a heartbeat,
 or only rejected lines) is one row with hour null and 0 records.
 
-Exactly once per (stream, checkpoint): the ledger's table property `partfin.ledger.<stream>`
-holds the last checkpoint id recorded for the stream, and moves in the same commit as the rows
-(a compare-and-set, like the writer's position); rows at or below it are never appended again.
+Exactly once per checkpoint: checkpoint ids count up per writer (a Kafka writer's checkpoints
+belong to its partitions' streams, column `stream`; column `writer_id` is the writer). The
+ledger's table property `partfin.ledger.<writer id>` holds the last checkpoint id recorded for
+the writer, and moves in the same commit as the rows (a compare-and-set, like the writer's
+position); rows at or below it are never appended again.
 The writer records its checkpoints after each commit (a few at a time, see LedgerAppender); a
 crash in between is repaired by `reconcile`, which rebuilds the missing rows from the retained
 CDC snapshots (their summaries and the data files they added) and runs when a writer starts,
 before every snapshot expiry and before compaction. So a checkpoint always reaches the ledger
 before its snapshot can expire, and the ledger outlives expiry and compaction.
 
-Replays of an hour (jobs/replay.py, OVERWRITE commits) are recorded too, under the stream
-`partfin.replay` with the commit's sequence number as checkpoint id: records = the records new
+Replays of an hour (jobs/replay.py, OVERWRITE commits) are recorded too, under the stream and
+writer `partfin.replay` with the commit's sequence number as checkpoint id: records = the records new
 to the hour, late_records as the replay counted them, no digests.
 
 Readers (checks, `partfin status`, Dagster metadata, the policy lab) read rows with
@@ -46,7 +48,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.files import data_files, delete_files, read_files, write_data_files
-from partfin_assets.iceberg.history import lineage, summary_of, watermark_of
+from partfin_assets.iceberg.history import commit_stream, lineage, summary_of, watermark_of
 from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
 from partfin_assets.model import summary_keys as K
@@ -74,7 +76,8 @@ __all__ = [
 class Checkpoint:
     """What a committed checkpoint is, apart from its records."""
 
-    stream: str
+    writer_id: str
+    stream: str  # the progress stream the checkpoint belongs to: a Kafka partition's, else its writer's
     checkpoint_id: int
     snapshot_id: int
     sequence_number: int | None
@@ -83,13 +86,14 @@ class Checkpoint:
     late_by_hour: Mapping[int, int]  # hour (us) -> records that came below the watermark before the commit
 
     @classmethod
-    def of_commit(cls, stream: str, checkpoint_id: int, snapshot: Snapshot, clock_us: int | None = None) -> Checkpoint:
+    def of_commit(cls, writer_id: str, checkpoint_id: int, snapshot: Snapshot, clock_us: int | None = None) -> Checkpoint:
         """A committed cdc snapshot as the ledger sees it (clock: the writer's, else the one its summary recorded)."""
         summary = summary_of(snapshot)
+        stream = writer_id if writer_id == REPLAY_STREAM else commit_stream(summary) or writer_id
         if clock_us is None:
             clock = summary.get(K.COMMIT_CLOCK)
             clock_us = to_us(parse_iso(clock)) if clock else snapshot.timestamp_ms * 1000
-        return cls(stream, checkpoint_id, snapshot.snapshot_id, snapshot.sequence_number, clock_us, watermark_of(summary),
+        return cls(writer_id, stream, checkpoint_id, snapshot.snapshot_id, snapshot.sequence_number, clock_us, watermark_of(summary),
                    _late_by_hour(summary))
 
 
@@ -136,7 +140,7 @@ def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
         "stream": c.stream, "checkpoint_id": c.checkpoint_id, "snapshot_id": c.snapshot_id, "sequence_number": c.sequence_number,
         "commit_time": c.commit_time_us, "arrival_min": None, "arrival_max": None, "hour": hour_us, "records": records,
         "late_records": late, "event_time_min": None, "event_time_max": None, "event_time_digest": None,
-        "lateness_digest": None, "watermark": c.watermark_us,
+        "lateness_digest": None, "watermark": c.watermark_us, "writer_id": c.writer_id,
     }
 
 
@@ -152,7 +156,7 @@ def _table(rows: list[dict]) -> pa.Table:
 
 
 def recorded_checkpoints(properties: Mapping[str, str]) -> dict[str, int]:
-    """stream -> the last checkpoint id the ledger holds for it."""
+    """writer id -> the last checkpoint id the ledger holds for it."""
     prefix = K.PROP_LEDGER_PREFIX
     return {k[len(prefix):]: int(v) for k, v in properties.items() if k.startswith(prefix)}
 
@@ -160,13 +164,13 @@ def recorded_checkpoints(properties: Mapping[str, str]) -> dict[str, int]:
 def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contiguous: bool = True) -> set[str]:
     """Append the rows of checkpoints the ledger does not hold yet, in one commit; returns the streams left out.
 
-    With `contiguous`, a stream whose rows do not begin right after its recorded checkpoint (an
+    With `contiguous`, a writer whose rows do not begin right after its recorded checkpoint (an
     earlier one is missing: a crashed or fenced process committed it) is left out; `reconcile`
-    fills the gap from the CDC history.
+    fills the gap from the CDC history. Returns the writers left out.
     """
     if rows.num_rows == 0:
         return set()
-    frame = pl.from_arrow(rows.select(["stream", "checkpoint_id"]))
+    frame = pl.from_arrow(rows.select(["writer_id", "checkpoint_id"]))
     assert isinstance(frame, pl.DataFrame)
     left_out: set[str] = set()
     written: list[DataFile] = []  # an attempt's compacted file(s): removed if that attempt does not land
@@ -176,22 +180,22 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
         recorded = recorded_checkpoints(table.properties)
         keep = np.zeros(rows.num_rows, dtype=bool)
         last: dict[str, int] = {}
-        for (stream,), part in frame.with_row_index().group_by(["stream"]):
-            done = recorded.get(stream, 0)
+        for (writer,), part in frame.with_row_index().group_by(["writer_id"]):
+            done = recorded.get(writer, 0)
             new = part.filter(pl.col("checkpoint_id") > done)
             if new.is_empty():
                 continue
             if contiguous and done and new["checkpoint_id"].min() != done + 1:
-                left_out.add(stream)
+                left_out.add(writer)
                 continue
             keep[new["index"].to_numpy()] = True
-            last[stream] = int(new["checkpoint_id"].max())
+            last[writer] = int(new["checkpoint_id"].max())
         if not last:
             return None
         summary = snapshot_summary_with_commit_id({K.LEDGER_CHECKPOINTS: compact_json(last)}, commit_id, JobKind.INTO)
         new = rows.filter(pa.array(keep))
         tx = new_transaction(table)
-        tx.set_properties({K.PROP_LEDGER_PREFIX + stream: str(n) for stream, n in last.items()})
+        tx.set_properties({K.PROP_LEDGER_PREFIX + writer: str(n) for writer, n in last.items()})
         current = table.current_snapshot()
         files = int(summary_of(current).get("total-data-files", "0")) if current is not None else 0
         small = [] if files < LEDGER_MAX_SMALL_FILES else [
@@ -276,7 +280,7 @@ class LedgerAppender:
         left_out = record_rows(self.catalog, self.cdc_identifier, rows)
         self._pending.clear()
         self._since = None
-        if left_out:  # another process committed checkpoints of the stream in between: read them from the history
+        if left_out:  # another process committed checkpoints of the writer in between: read them from the history
             reconcile(self.catalog, self.catalog.load_table(self.cdc_identifier))
 
 
@@ -284,7 +288,7 @@ class LedgerAppender:
 
 
 def ledger_entry(snapshot: Snapshot) -> tuple[str, int] | None:
-    """(stream, checkpoint id) of a cdc snapshot the ledger records: a writer's checkpoint or a replay; else None."""
+    """(writer id, checkpoint id) of a cdc snapshot the ledger records: a writer's checkpoint or a replay; else None."""
     return _stream_checkpoint(snapshot, summary_of(snapshot))
 
 
@@ -307,7 +311,7 @@ def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = N
     identifier = _dotted(cdc)
     ledger = ensure_ledger_table(catalog, identifier)
     recorded = recorded_checkpoints(ledger.properties)
-    missing: list[tuple[str, int, Snapshot]] = []
+    missing: list[tuple[str, int, Snapshot]] = []  # (writer id, checkpoint id, its snapshot)
     for snapshot in lineage(cdc.metadata) if snapshots is None else snapshots:
         summary = summary_of(snapshot)
         found = _stream_checkpoint(snapshot, summary)
@@ -316,16 +320,16 @@ def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = N
     if not missing:
         return 0
     missing.sort(key=lambda m: (m[0], m[1]))
-    rows = pa.concat_tables([_rows_from_history(cdc, stream, checkpoint_id, snapshot) for stream, checkpoint_id, snapshot in missing])
+    rows = pa.concat_tables([_rows_from_history(cdc, writer, checkpoint_id, snapshot) for writer, checkpoint_id, snapshot in missing])
     record_rows(catalog, identifier, rows, contiguous=False)
     log.info("%s: ledger reconciled %d checkpoint(s) from the CDC history", identifier, len(missing))
     return rows.num_rows
 
 
-def _rows_from_history(cdc: Table, stream: str, checkpoint_id: int, snapshot: Snapshot) -> pa.Table:
+def _rows_from_history(cdc: Table, writer_id: str, checkpoint_id: int, snapshot: Snapshot) -> pa.Table:
     summary = summary_of(snapshot)
-    checkpoint = Checkpoint.of_commit(stream, checkpoint_id, snapshot)
-    if stream == REPLAY_STREAM:
+    checkpoint = Checkpoint.of_commit(writer_id, checkpoint_id, snapshot)
+    if writer_id == REPLAY_STREAM:
         hour = to_us(parse_iso(summary[K.REPLAY_HOUR]))
         row = _row(checkpoint, hour, int(summary.get(K.REPLAY_ADDED_RECORDS, "0")), int(summary.get(K.LATE_RECORDS, "0")))
         return _table([row])

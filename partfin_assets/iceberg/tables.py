@@ -86,6 +86,8 @@ LEDGER_SCHEMA = Schema(
     NestedField(13, "event_time_digest", StringType(), required=False),
     NestedField(14, "lateness_digest", StringType(), required=False),
     NestedField(15, "watermark", TimestamptzType(), required=False),
+    # the writer whose checkpoint ids these are (`stream` is its progress stream: a Kafka partition's, or its own)
+    NestedField(16, "writer_id", StringType(), required=False),
 )
 
 
@@ -96,6 +98,7 @@ def ledger_identifier(cdc_identifier: str) -> str:
 def ensure_ledger_table(catalog: Catalog, cdc_identifier: str) -> Table:
     identifier = ledger_identifier(cdc_identifier)
     _create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    _add_missing_columns(catalog, identifier, LEDGER_SCHEMA)
     return catalog.load_table(identifier)
 
 

@@ -87,8 +87,8 @@ PROP_STREAMS_IDLE_TIMEOUT = "partfin.streams.idle-timeout"  # e.g. 15m (default)
 
 
 # the late-data ledger <cdc table>__ledger (iceberg/ledger.py)
-PROP_LEDGER_PREFIX = "partfin.ledger."  # + stream id: the last checkpoint id the ledger holds for that stream
-LEDGER_CHECKPOINTS = "partfin.ledger.checkpoints"  # ledger commit summary: JSON {stream: last checkpoint id recorded}
+PROP_LEDGER_PREFIX = "partfin.ledger."  # + writer id: the last checkpoint id the ledger holds for that writer
+LEDGER_CHECKPOINTS = "partfin.ledger.checkpoints"  # ledger commit summary: JSON {writer id: last checkpoint id recorded}
 
 
 # values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)
