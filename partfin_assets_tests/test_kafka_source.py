@@ -197,6 +197,17 @@ def test_a_stalled_partition_holds_the_watermark_until_it_catches_up_or_is_idle(
     streams = {row["stream"]: row for row in json.loads(partfin_cli(home, "streams", "list", "--table", "orders", "--json"))["streams"]}
     assert streams[f"orders-writer/{TOPIC}-2"]["state"] == "idle"
 
+    # the late-data ledger: each checkpoint under its partition's stream, every message once
+    from partfin_assets.iceberg.ledger import read_ledger
+
+    ledger = read_ledger(load_partfin_catalog(home), "cdc.orders")
+    records = {s: 0 for s in partitions}
+    for stream, count in zip(ledger["stream"].to_list(), ledger["records"].to_list()):
+        records[stream] += count
+    produced = {0: len(per_minute(ids[0], 0, 1200)), 1: len(per_minute(ids[1], 0, 1200)), 2: len(per_minute(ids[2], 0, 600))}
+    assert records == {f"orders-writer/{TOPIC}-{p}": n for p, n in produced.items()}
+    assert set(ledger["writer_id"].to_list()) == {"orders-writer"}
+
 
 def heartbeat(ts_ms: int, *, schema: bool) -> dbz.DebeziumMessage:
     """A Debezium heartbeat message (heartbeat.interval.ms), as the connector writes it."""
