@@ -424,3 +424,13 @@ def test_offsets_retention_deleted_stop_ingest_with_one_line(tmp_path, kafka_clu
     assert process.returncode == 2 and len(lines) == 1, lines
     assert "partition 0" in lines[0] and "(20)" in lines[0] and "retention" in lines[0]
     assert cdc_rows(home).num_rows == 20
+
+
+def test_a_topic_that_does_not_exist_is_one_line_and_creates_nothing(tmp_path, kafka_cluster):
+    home = tmp_path / "home"
+    process = ingest(home, kafka_spec(kafka_cluster, topic="dbserver1.public.nope"))
+    _, stderr = process.communicate(timeout=120)
+    lines = stderr.decode().strip().splitlines()
+    assert process.returncode == 2 and len(lines) == 1, lines
+    assert "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition" in lines[0]
+    assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")

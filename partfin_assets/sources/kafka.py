@@ -264,22 +264,20 @@ class KafkaSource:
             "error_cb": self._on_client_error,
         }
         self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
-        self._consumer = self._new_consumer()  # a bad property is one clear error before anything is created
-        self._subscribed = False
-        self._cluster_id: str | None = None
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
         self._assigned: set[int] | None = None  # None: no assignment yet
         self._at_end: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
         self._committed_offset: str | None = None  # the offset of the last Iceberg commit, for the group
+        self._consumer: Consumer | None = self._new_consumer()  # a bad property is one clear error before anything is created
+        self._subscribed = False
+        self._cluster_id: str = self._metadata().cluster_id  # an unknown topic too: before anything is created
 
     # ---- identity
 
     def identity(self, offset: str | None) -> SourceIdentity:
         """The cluster (its id, whichever brokers reach it) and the topic; a topic is not read again for replays."""
-        if self._cluster_id is None:
-            self._cluster_id = self._metadata().cluster_id
         return SourceIdentity(
             self.kind,
             self.spec.display,
@@ -291,14 +289,15 @@ class KafkaSource:
         return self.decoder.column_types()
 
     def _metadata(self):
-        consumer = self._open()
+        if self._consumer is None:
+            raise KafkaSourceError(f"kafka source {self.spec.display} is closed")
         try:
-            metadata = consumer.list_topics(self.spec.topic, timeout=30)
+            metadata = self._consumer.list_topics(self.spec.topic, timeout=30)
         except KafkaException as exc:
             raise KafkaSourceError(f"kafka source {self.spec.display}: {self._redact(_error_text(exc))}") from None
         topic = metadata.topics.get(self.spec.topic)
         if topic is None or topic.error is not None or not topic.partitions:
-            why = self._redact(str(topic.error)) if topic is not None and topic.error is not None else "no partitions"
+            why = self._redact(topic.error.str()) if topic is not None and topic.error is not None else "no partitions"
             raise KafkaSourceError(f"kafka source {self.spec.display}: topic {self.spec.topic!r} cannot be read: {why}")
         return metadata
 
@@ -308,7 +307,6 @@ class KafkaSource:
         if max_records < 1:
             raise SourceError(f"max_records must be at least 1, got {max_records}")
         consumer = self._open()
-        self._metadata()  # a missing topic is one clear error, not an endless wait
         self._restart_from(start_offset)
         idle_since = time.monotonic()
         while True:
