@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,7 @@ from pyiceberg.manifest import DataFileContent, ManifestContent
 
 from partfin_assets.iceberg.files import data_files, position_delete_files, read_files
 from partfin_assets.iceberg.position_deletes import kept_row_indices, pyiceberg_kept_row_indices
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, read_base
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, read_base
 from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import remove_orphan_files
@@ -206,3 +207,26 @@ def test_fast_position_delete_reader_equals_pyiceberg(deletes, start, length):
     if chunks:
         assert pyiceberg_kept_row_indices(chunks, start, start + length).to_pylist() == ours.to_pylist()
     assert pyiceberg_arrow._combine_positional_deletes is kept_row_indices  # installed for every scan
+
+
+def test_lookup_columns_are_delta_encoded_and_outside_files_are_still_searched(tmp_path: Path):
+    h, changes = loaded(tmp_path, rounds=2)
+    base = h.base()
+    for f in data_files(base, base.current_snapshot()):
+        with base.io.new_input(f.file_path).open() as stream:
+            meta = pq.ParquetFile(stream).metadata.row_group(0)
+        encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
+        for column in ("id", EVENT_TIME, SOURCE_SEQ):
+            assert "DELTA_BINARY_PACKED" in encodings[column], (column, encodings)
+    # files another tool appended: one unsorted (hash lookup), one sorted with two rows of one key (binary search)
+    live = read_base(h.catalog, "orders", include_deleted=True).sort_by("id")
+    low, high = live.slice(0, 4), live.slice(live.num_rows - 4, 4)
+    base.append(pa.concat_tables([high.slice(3, 1), high.slice(0, 3)]))
+    h.base().append(pa.concat_tables([low.slice(0, 1), low]))
+    newer = [(int(i), "u", 1000, 1_000_000 + j, 1.5) for j, i in enumerate(low.column("id").to_pylist() + high.column("id").to_pylist())]
+    h.write(newer)
+    h.upsert()
+    ids = read_base(h.catalog, "orders", include_deleted=True).column("id").to_pylist()
+    assert len(ids) == len(set(ids)), "every version of a changed key is replaced"
+    assert h.live() == reference(changes + newer)
+    assert plain_pyiceberg_rows(tmp_path) == all_rows(h)

@@ -24,6 +24,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.transforms import HourTransform
 from pyiceberg.typedef import Record
 
+from partfin_assets.iceberg import parquet_layout  # noqa: F401 - installs the per-table column encodings
 from partfin_assets.iceberg import position_deletes  # noqa: F401 - installs the fast position-delete reader
 from partfin_assets.model.timeutil import US_PER_HOUR
 

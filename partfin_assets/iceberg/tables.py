@@ -40,7 +40,7 @@ from pyiceberg.types import (
 )
 
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
-from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties
+from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.tablespec import TableSpec
@@ -254,18 +254,38 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
     """Create base.<name> from the declaration if it does not exist; return it."""
     identifier = spec.base_identifier
     if catalog.table_exists(identifier):
-        return catalog.load_table(identifier)
+        return _with_delta_columns(catalog, catalog.load_table(identifier), spec)
     buckets = buckets or DEFAULT_BUCKETS
     if buckets < 1:
         raise InvalidInput(f"bucket count must be at least 1, got {buckets}")
     ensure_namespaces(catalog, "base")
     schema = base_schema(spec)
-    properties = {**MANAGED_TABLE_PROPERTIES, K.PROP_BASE_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier}
+    properties = {
+        **MANAGED_TABLE_PROPERTIES, K.PROP_BASE_BUCKETS: str(buckets), K.PROP_SOURCE_TABLE: spec.cdc_identifier,
+        K.PROP_DELTA_COLUMNS: ",".join(lookup_columns(spec)),
+    }
     try:
         catalog.create_table(identifier, schema=schema, partition_spec=base_partition_spec(spec, schema, buckets), properties=properties)
     except TableAlreadyExistsError:
         pass  # a concurrent run created it
     return catalog.load_table(identifier)
+
+
+def lookup_columns(spec: TableSpec) -> list[str]:
+    """The columns an upsert reads to find old versions: the primary key and the ordering columns (delta-encoded on write)."""
+    return [*spec.primary_key, EVENT_TIME, SOURCE_SEQ]
+
+
+def _with_delta_columns(catalog: Catalog, table: Table, spec: TableSpec) -> Table:
+    """A base table made before partfin delta-encoded its lookup columns gets the property (files written from now on)."""
+    if K.PROP_DELTA_COLUMNS in table.properties:
+        return table
+    try:
+        with new_transaction(table) as tx:
+            tx.set_properties({K.PROP_DELTA_COLUMNS: ",".join(lookup_columns(spec))})
+    except CommitFailedException:
+        pass  # another run set it (or changed the table) meanwhile: the next run tries again
+    return catalog.load_table(spec.base_identifier)
 
 
 def read_base(

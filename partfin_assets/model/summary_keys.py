@@ -76,6 +76,7 @@ PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
 PROP_FUTURE_TOLERANCE = "partfin.event-time.future-tolerance"  # cdc: how far past the commit clock an event time is plausible (default 5m)
 PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
+PROP_DELTA_COLUMNS = "partfin.write.parquet.delta-columns"  # comma-separated columns partfin writes DELTA_BINARY_PACKED (base: key, ordering)
 
 # snapshot refs
 MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> merged up to (expiry keeps it)

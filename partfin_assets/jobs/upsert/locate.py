@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.conversions import from_bytes
 from pyiceberg.manifest import DataFile
@@ -20,7 +21,6 @@ from pyiceberg.table import Table
 
 FILE = "__file"
 POS = "__pos"
-BATCH_ROWS = 64 * 1024
 
 
 def candidate_files(table: Table, files: list[DataFile], keys: pl.DataFrame, key_column: str) -> list[DataFile]:
@@ -47,6 +47,38 @@ def candidate_files(table: Table, files: list[DataFile], keys: pl.DataFrame, key
     return out
 
 
+def _hits(rows: pa.Table, keys: pl.DataFrame, offset: int) -> pl.DataFrame | None:
+    """The rows (+ __pos, offset by `offset`) of one row group whose key is in `keys`.
+
+    A single integer key sorted in the file (partfin sorts every file it writes by key) is found
+    by binary search, and only the hit rows are taken: the cost is the decoding of the key
+    column, not a join over every row. Anything else (composite or non-integer keys, a file
+    written unsorted by another tool) is a hash semi-join.
+    """
+    key_columns = keys.columns
+    if len(key_columns) == 1 and pa.types.is_integer(rows.schema.field(key_columns[0]).type):
+        column = rows.column(key_columns[0])
+        if column.null_count == 0:
+            values = column.to_numpy().astype(np.int64, copy=False)
+            if values.size < 2 or bool(np.all(values[1:] >= values[:-1])):
+                wanted = np.unique(keys.get_column(key_columns[0]).cast(pl.Int64).to_numpy())
+                first = np.searchsorted(values, wanted, side="left")
+                last = np.searchsorted(values, wanted, side="right")
+                found = last > first
+                starts, stops = first[found], last[found]
+                if starts.size == 0:
+                    return None
+                # several rows of one key in a file (an outside append): every one of them
+                positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)]) if np.any(stops - starts > 1) else starts
+                frame = pl.from_arrow(rows.take(pa.array(positions)))
+                assert isinstance(frame, pl.DataFrame)
+                return frame.with_columns(pl.Series(POS, positions + offset, dtype=pl.Int64))
+    frame = pl.from_arrow(rows)
+    assert isinstance(frame, pl.DataFrame)
+    frame = frame.with_row_index(POS, offset=offset)
+    return frame.join(keys.cast({c: frame.schema[c] for c in key_columns}), on=key_columns, how="semi")
+
+
 def old_versions(
     table: Table,
     files: list[DataFile],
@@ -55,7 +87,6 @@ def old_versions(
     columns: list[str],
 ) -> pl.DataFrame:
     """Live rows of `files` whose primary key is in `keys` (its columns): `columns` + __file + __pos."""
-    key_columns = keys.columns
     schema = table.metadata.schema()
     ids = {schema.find_field(c).field_id: c for c in columns}
     found = []
@@ -65,14 +96,14 @@ def old_versions(
             # columns by field id: the physical names are whatever the writer used
             physical = {int(f.metadata[b"PARQUET:field_id"]): f.name for f in parquet.schema_arrow if f.metadata and b"PARQUET:field_id" in f.metadata}
             names = [physical[i] for i in ids]
+            renames = {physical[i]: c for i, c in ids.items()}
             offset = 0
-            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=names):
-                frame = pl.from_arrow(batch)
-                assert isinstance(frame, pl.DataFrame)
-                frame = frame.rename({physical[i]: c for i, c in ids.items()}).with_row_index(POS, offset=offset)
-                offset += batch.num_rows
-                hits = frame.join(keys.cast({c: frame.schema[c] for c in key_columns}), on=key_columns, how="semi")
-                if hits.height:
+            for group in range(parquet.metadata.num_row_groups):
+                # one row group at a time (files partfin writes have one per ~1M rows): bounded memory
+                rows = parquet.read_row_group(group, columns=names).rename_columns(renames)
+                hits = _hits(rows, keys, offset)
+                offset += rows.num_rows
+                if hits is not None and hits.height:
                     found.append(hits.with_columns(pl.lit(data_file.file_path).alias(FILE)))
     if not found:
         empty = pl.from_arrow(schema.select(*columns).as_arrow().empty_table())
