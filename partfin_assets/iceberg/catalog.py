@@ -12,6 +12,7 @@ Misconfiguration raises PartfinConfigError with one line naming what to fix.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.table import Table
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from partfin_assets.model.errors import PartfinConfigError
 from partfin_assets.model.redaction import redact, secrets_redacted
@@ -70,12 +72,38 @@ class CatalogConfig:
             self.home.mkdir(parents=True, exist_ok=True)
         try:
             with secrets_redacted(self.uri):
-                return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+                return self._sql_catalog()
         except Exception as exc:  # sqlalchemy raises driver-specific errors
             source = "PARTFIN_CATALOG_URI" if self.uri else "PARTFIN_HOME"
             raise PartfinConfigError(
                 f"cannot reach the Iceberg catalog at {redact(self.sql_uri)}: {redact(one_line(exc), self.uri)} (check {source})"
             ) from exc  # a cause that showed a secret is already a RedactedError
+
+
+    def _sql_catalog(self) -> SqlCatalog:
+        """PyIceberg's SqlCatalog, safe when several processes create its tables at once.
+
+        SqlCatalog checks whether its tables exist, then creates them: of processes starting together
+        on a fresh catalog, the losers fail ("table iceberg_tables already exists" on SQLite, a
+        unique violation on PostgreSQL). Once a winner has created them, a fresh attempt finds them.
+        """
+        attempts = 0
+        while True:
+            try:
+                return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+            except SQLAlchemyError as exc:
+                attempts += 1
+                if attempts == _INIT_ATTEMPTS or not _lost_creation_race(exc):
+                    raise
+                time.sleep(0.05 * attempts)
+
+
+_INIT_ATTEMPTS = 5
+
+
+def _lost_creation_race(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, IntegrityError) or "already exists" in text or "locked" in text
 
 
 def load_partfin_catalog(home: str | os.PathLike | None = None) -> Catalog:
