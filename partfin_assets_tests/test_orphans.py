@@ -16,6 +16,7 @@ from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.job import Job
 from partfin_assets.jobs.maintenance import expire_table_snapshots, list_table_files, referenced_files, remove_orphan_files
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import cdc_records
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
@@ -34,7 +35,7 @@ def all_rows(catalog):
 
 def test_abandoned_job_deletes_its_files(catalog):
     ingest(catalog)
-    rows = change_batch(T0_US + np.arange(5) * MINUTE_US, offset="x", seq_start=7000).records
+    rows = cdc_records(change_batch(T0_US + np.arange(5) * MINUTE_US, offset="x", seq_start=7000).records)
     with pytest.raises(RuntimeError):
         with Job.start(catalog, "cdc.orders", JobKind.OVERWRITE) as job:
             files = job.write(rows)
@@ -49,7 +50,7 @@ def test_orphans_removed_only_when_unreferenced_and_old(catalog):
     ingest(catalog)
     # a hard-killed job: files written, never committed, never cleaned
     job = Job.start(catalog, "cdc.orders", JobKind.INTO)
-    killed = [f.file_path.removeprefix("file://") for f in job.write(change_batch(T0_US + np.arange(3) * MINUTE_US, offset="k", seq_start=9000).records)]
+    killed = [f.file_path.removeprefix("file://") for f in job.write(cdc_records(change_batch(T0_US + np.arange(3) * MINUTE_US, offset="k", seq_start=9000).records))]
     table = catalog.load_table("cdc.orders")
     junk = Path(table.metadata.location.removeprefix("file://")) / "data" / "junk.bin"
     junk.write_bytes(b"x")

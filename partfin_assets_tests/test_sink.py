@@ -26,7 +26,8 @@ def minutes(start_min: int, n: int) -> np.ndarray:
 
 
 def data_files_on_disk(home: Path) -> set[str]:
-    return {str(p) for p in (home / "warehouse").rglob("*.parquet")}
+    """cdc.orders's Parquet files (its ledger, cdc.orders__ledger, is a table of its own)."""
+    return {str(p) for p in (home / "warehouse" / "cdc" / "orders").rglob("*.parquet")}
 
 
 def test_a_checkpoint_is_one_commit_with_data_stats_and_properties(catalog):
@@ -172,7 +173,7 @@ def test_retention_bounds_history_but_keeps_policy_window_and_resume_position(ca
     table = catalog.load_table("cdc.orders")
     assert len(table.metadata.snapshots) <= 4 + 4 + 2
     # expired snapshots' manifest lists are gone, retained ones are there
-    lists = {str(p) for p in (tmp_path / "home" / "warehouse").rglob("snap-*.avro")}
+    lists = {str(p) for p in (tmp_path / "home" / "warehouse" / "cdc" / "orders").rglob("snap-*.avro")}
     assert lists == {s.manifest_list.removeprefix("file://") for s in table.metadata.snapshots}
     assert last_writer_position(table.metadata, "quiet-writer").source_offset == "quiet-1"
     assert CdcWriter(catalog, ORDERS).resume_offset == "o59"
