@@ -22,7 +22,7 @@ from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceErr
 from pyiceberg.table import Table
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from partfin_assets.model.errors import PartfinConfigError
+from partfin_assets.model.errors import PartfinConfigError, one_line
 from partfin_assets.model.redaction import redact, secrets_redacted
 from partfin_assets.model.settings import Settings
 
@@ -152,8 +152,3 @@ def load_existing_table(catalog: Catalog, identifier: str, hint: str = "") -> Ta
         raise PartfinConfigError(
             f"table {identifier} does not exist in catalog {catalog.name!r}; {hint or 'ingest into it first'}"
         ) from exc
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

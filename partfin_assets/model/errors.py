@@ -22,3 +22,14 @@ class InvalidInput(PartfinError, ValueError):
 
 class SourceError(PartfinError, ValueError):
     """A CDC source that cannot be read as configured (a missing file, a declaration its data contradicts)."""
+
+
+def first_line(text: str) -> str:
+    """The first line of a message ('' if it has none): how a foreign error is quoted in a one-line message."""
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line` of an exception another library raised."""
+    return f"{type(exc).__name__}: {first_line(str(exc))}"

@@ -19,7 +19,7 @@ from urllib.parse import unquote
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import PartfinError, first_line
 
 MASK = "***"
 
@@ -72,5 +72,5 @@ def secrets_redacted(*known: str | None) -> Iterator[None]:
             raise
         message = redact(str(exc), *known)
         cause = exc.__cause__ or exc.__context__
-        detail = f" (caused by {type(cause).__name__}: {redact(str(cause), *known).strip().splitlines()[0] if str(cause).strip() else ''})" if cause else ""
+        detail = f" (caused by {type(cause).__name__}: {first_line(redact(str(cause), *known))})" if cause else ""
         raise RedactedError(f"{type(exc).__name__}: {message}{detail}") from None

@@ -1,7 +1,7 @@
 """Build a CDC source from a one-line spec: `synthetic`, `synthetic:seed=7,rate=5,hours=24`, `debezium:PATH`, `postgres:DSN`.
 
 `postgres:DSN[#[schema.]table][,option=value,...]` reads a PostgreSQL table's changes through
-logical decoding (sources/postgres.py). DSN is a libpq connection string or URI
+logical decoding (sources/postgres/). DSN is a libpq connection string or URI
 (`host=db port=5432 user=cdc dbname=shop` or `postgresql://cdc@db/shop`). The source table
 defaults to `public.<--table>`; a `#` fragment names another one and options:
 `slot=NAME` (default partfin_<table>), `heartbeat_interval=10s`, `heartbeat_settle=5s`,
