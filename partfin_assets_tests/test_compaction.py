@@ -9,11 +9,12 @@ from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.files import hour_partition, live_files
 from partfin_assets.iceberg.history import recent_commit_stats, watermark_history
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.jobs.compaction import compact, files_per_partition
+from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+from partfin_assets_tests.table_helpers import files_per_partition
 
 
 def rows(catalog):

@@ -29,7 +29,7 @@ from partfin_assets.iceberg.tables import read_base
 from partfin_assets.ingest.extensions import CommitProcessor
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.jobs.compaction import compact, files_per_partition
+from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.job import Job
 from partfin_assets.jobs.maintenance import list_table_files, referenced_files
@@ -41,6 +41,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets_tests.conftest import HOUR_US, ORDERS, T0_US, change_batch
+from partfin_assets_tests.table_helpers import commit_append, files_per_partition
 
 KINDS = [JobKind.OVERWRITE, JobKind.INTO, JobKind.UPDATE_DELETE, JobKind.MERGE]
 HOURS = {"A": T0_US, "B": T0_US + HOUR_US}
@@ -303,7 +304,7 @@ def base_into(catalog, key: int, seq: int, hook):
     row = pa.table({"id": [key], "amount": [9.0], "_event_time": pa.array([T0_US], pa.timestamp("us", tz="UTC")),
                     "_source_seq": [seq], "_deleted": [False]})
     with Job.start(catalog, "base.orders", JobKind.INTO, before_commit=hook) as job:
-        return job.commit_append(job.write(row))
+        return commit_append(job, job.write(row))
 
 
 def run_base_job(catalog, kind: JobKind, key: int, barrier: Barrier | None) -> Outcome:
@@ -454,7 +455,8 @@ def test_unpartitioned_tables_conflict_on_any_file_change_but_not_on_empty_commi
     ensure_namespaces(catalog, "misc")
     catalog.create_table("misc.t", Schema(NestedField(1, "x", LongType(), required=True)), properties=MANAGED_TABLE_PROPERTIES)
     rows = pa.table({"x": pa.array([1, 2, 3], pa.int64())})
-    Job.start(catalog, "misc.t", JobKind.INTO).commit_append(Job.start(catalog, "misc.t", JobKind.INTO).write(rows))
+    first = Job.start(catalog, "misc.t", JobKind.INTO)
+    commit_append(first, first.write(rows))
 
     job = Job.start(catalog, "misc.t", JobKind.UPDATE_DELETE)
     files = [t.file for t in job.table.scan().plan_files()]
@@ -463,7 +465,7 @@ def test_unpartitioned_tables_conflict_on_any_file_change_but_not_on_empty_commi
         with tx.update_snapshot().fast_append():
             pass
     appender = Job.start(catalog, "misc.t", JobKind.INTO)
-    appender.commit_append(appender.write(rows))  # any file change on an unpartitioned table
+    commit_append(appender, appender.write(rows))  # any file change on an unpartitioned table
     with pytest.raises(CommitConflictError) as info:
         job.commit_replace(files, new)
     assert info.value.partitions == [WHOLE_TABLE]

@@ -22,7 +22,6 @@ DEFAULT_PARTITIONS_START = "2026-01-01-00:00"
 class PartfinTable:
     spec: TableSpec  # name, primary key, typed columns, watermark policy
     source: str  # CDC source spec: `synthetic[:opt=v,...]` or `debezium:PATH` (PARTFIN_SOURCE overrides)
-    event_time_column: str = "event_time"  # the CDC column cdc.<name> is hour-partitioned by
     partitions_start: str = DEFAULT_PARTITIONS_START  # PARTFIN_PARTITIONS_START overrides
     # asset-check thresholds
     lag_warn_seconds: int = 3 * 3600  # cdc watermark older than this -> WARN

@@ -199,8 +199,3 @@ def compact(
         log.info("%s", result.describe())
         return result
 
-
-def files_per_partition(catalog: Catalog, identifier: str) -> dict[str, int]:
-    """Live data files per partition at the head (for reports and tests)."""
-    table = catalog.load_table(identifier)
-    return {p: len(f) for p, f in sorted(live_files(table).items())}

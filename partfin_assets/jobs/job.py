@@ -294,19 +294,6 @@ class Job:
 
     # ---- the kinds
 
-    def commit_append(self, add: list[DataFile], summary: Mapping[str, str] | Callable[[Table], Mapping[str, str]] | None = None) -> JobResult:
-        """INTO: append `add` on top of whatever the head is."""
-
-        def stage(head, tx, snapshot_summary):
-            if not add:
-                return False
-            with tx.update_snapshot(snapshot_properties=snapshot_summary).fast_append() as append:
-                for data_file in add:
-                    append.append_data_file(data_file)
-            return True
-
-        return self.commit(stage, summary=summary)
-
     def commit_replace(
         self,
         remove: list[DataFile],

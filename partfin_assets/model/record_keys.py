@@ -38,14 +38,6 @@ def key_json_column(columns: Mapping[str, KeyColumn]) -> pa.Array:
     return keys.to_arrow().cast(pa.string())
 
 
-def parse_key(key: str) -> dict[str, Any]:
-    """The primary-key column values of a canonical key."""
-    values = json.loads(key)
-    if not isinstance(values, dict):
-        raise ValueError(f"key {key!r} is not a JSON object")
-    return values
-
-
 def _as_series(name: str, values: KeyColumn) -> pl.Series:
     if isinstance(values, pl.Series):
         return values.alias(name)

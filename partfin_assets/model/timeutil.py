@@ -9,7 +9,6 @@ from partfin_assets.model.errors import InvalidInput
 
 US_PER_SECOND = 1_000_000
 US_PER_HOUR = 3600 * US_PER_SECOND
-HOUR = timedelta(hours=1)
 
 
 def to_us(dt: datetime) -> int:
@@ -25,10 +24,6 @@ def from_us(us: int) -> datetime:
 
 def floor_hour_us(us: int) -> int:
     return (int(us) // US_PER_HOUR) * US_PER_HOUR
-
-
-def floor_hour(dt: datetime) -> datetime:
-    return from_us(floor_hour_us(to_us(dt)))
 
 
 _EPOCH_WALL_CLOCK = datetime(1970, 1, 1)  # naive: formatting UTC wall-clock time needs no zone arithmetic

@@ -66,7 +66,7 @@ def build_cdc_asset(table: PartfinTable):
         pool=replay_pool(table),
         tags={"partfin/table": name},
         metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy},
-        description=f"cdc.{name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
+        description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). "
         f"Written by the `sync_{name}` job (every checkpoint reports the hours it touched). Materializing a partition "
         f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "
         f"OVERWRITE of the hour in cdc.{name} that keeps what the writer appends meanwhile.",
