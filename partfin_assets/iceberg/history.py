@@ -1,4 +1,4 @@
-"""Reading the snapshot lineage of a table: the only place partfin walks history."""
+"""Reading the snapshot lineage of a table (a snapshot and its ancestors): the only place partfin walks it."""
 
 from __future__ import annotations
 

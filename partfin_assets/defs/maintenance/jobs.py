@@ -90,24 +90,34 @@ def _compact_op(table: PartfinTable, layer: str):
 def build_compaction_job(table: PartfinTable):
     cdc_op, base_op = _compact_op(table, "cdc"), _compact_op(table, "base")
 
+    return _scheduled_two_step_job(
+        table, "compact", cdc_op, base_op, table.compaction_cron,
+        f"Small-file compaction (MERGE) of the finalized hours of cdc.{table.name}, then of base.{table.name}.",
+        f"Compacts {table.name} hourly; a run with nothing to compact commits nothing.",
+    )
+
+
+def _scheduled_two_step_job(table: PartfinTable, kind: str, first, then, cron: str, description: str, schedule_description: str):
+    """`<kind>_<table>`: `first`, then `then`, tagged as the table's maintenance (one at a time), and its schedule (UTC)."""
+
     @job(
-        name=f"compact_{table.name}",
+        name=f"{kind}_{table.name}",
         executor_def=in_process_executor,
-        description=f"Small-file compaction (MERGE) of the finalized hours of cdc.{table.name}, then of base.{table.name}.",
+        description=description,
         tags={"partfin/table": table.name, "partfin/maintenance": table.name},
     )
-    def compaction_job():
-        base_op(after=cdc_op())
+    def two_steps():
+        then(after=first())
 
     schedule = ScheduleDefinition(
-        name=f"compact_{table.name}_schedule",
-        job=compaction_job,
-        cron_schedule=table.compaction_cron,
+        name=f"{kind}_{table.name}_schedule",
+        job=two_steps,
+        cron_schedule=cron,
         execution_timezone="UTC",
-        default_status=schedule_default_status("compact"),
-        description=f"Compacts {table.name} hourly; a run with nothing to compact commits nothing.",
+        default_status=schedule_default_status(kind),
+        description=schedule_description,
     )
-    return compaction_job, schedule
+    return two_steps, schedule
 
 
 # --------------------------------------------------------------------------- privacy delete
@@ -206,22 +216,9 @@ def build_maintenance_job(table: PartfinTable):
                 "too_young": len(report.too_young), "files_scanned": report.scanned, "dry_run": config.dry_run,
                 "orphan_min_age_seconds": age}))
 
-    @job(
-        name=f"maintain_{name}",
-        executor_def=in_process_executor,
-        description=f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
+    return _scheduled_two_step_job(
+        table, "maintain", expire_op, orphans_op, table.maintenance_cron,
+        f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
         f"removal, of cdc.{name} and base.{name}.",
-        tags={"partfin/table": name, "partfin/maintenance": name},
+        f"Expires snapshots and removes orphan files of {name} daily.",
     )
-    def maintenance_job():
-        orphans_op(after=expire_op())
-
-    schedule = ScheduleDefinition(
-        name=f"maintain_{name}_schedule",
-        job=maintenance_job,
-        cron_schedule=table.maintenance_cron,
-        execution_timezone="UTC",
-        default_status=schedule_default_status("maintain"),
-        description=f"Expires snapshots and removes orphan files of {name} daily.",
-    )
-    return maintenance_job, schedule
