@@ -33,18 +33,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition  # noqa: E402
 
-from partfin_assets_tests import debezium_messages as dbz  # noqa: E402
+from bench_kafka_ingest import TOPIC, events, produce  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
-
-TOPIC = "dbserver1.public.orders"
-T0_MS = 1_793_491_200_000
-
-
-def events(count: int) -> list[dbz.DebeziumMessage]:
-    return [dbz.change(i % 5000, "u", T0_MS + i, version=1 + i // 5000, note_bytes=250) for i in range(count)]
 
 
 def read_file(path: Path) -> int:
@@ -104,18 +98,8 @@ def main() -> None:
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
         start_s = time.perf_counter() - started
         cluster.create_topic(TOPIC, options.partitions)
-        producer = Producer(cluster.client_config(**{"linger.ms": 20, "compression.type": options.compression,
-                                                     "partitioner": "murmur2_random"}))
         produce_started = time.perf_counter()
-        for message in messages:
-            while True:
-                try:
-                    producer.produce(TOPIC, key=message.key, value=message.value, timestamp=message.timestamp_ms)
-                    break
-                except BufferError:  # local queue full: let deliveries drain
-                    producer.poll(0.1)
-        if producer.flush(120):
-            raise RuntimeError("not every message was delivered")
+        produce(cluster, messages, **{"compression.type": options.compression})
         produce_s = time.perf_counter() - produce_started
         probe = _consumer(cluster, options.partitions)
         for partition in range(options.partitions):

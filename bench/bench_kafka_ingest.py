@@ -48,8 +48,9 @@ def events(count: int) -> list[dbz.DebeziumMessage]:
     return [dbz.change(i % 5000, "u", T0_MS + i, version=1 + i // 5000, note_bytes=250) for i in range(count)]
 
 
-def produce(cluster, messages) -> None:
-    producer = Producer(cluster.client_config(**{"linger.ms": 20, "partitioner": "murmur2_random"}))
+def produce(cluster, messages, **producer_config) -> None:
+    """Every message into TOPIC, delivered (murmur2: where Kafka's Java clients would put each key)."""
+    producer = Producer(cluster.client_config(**{"linger.ms": 20, "partitioner": "murmur2_random", **producer_config}))
     for message in messages:
         while True:
             try:

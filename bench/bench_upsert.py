@@ -167,8 +167,13 @@ PHASES = {"setup": phase_setup, "partfin": phase_partfin, "pyiceberg": phase_pyi
 # --------------------------------------------------------------------------- driver
 
 
-def run_phase(name: str, home: Path, argv: list[str], measure: bool) -> dict:
-    command = [sys.executable, __file__, "--phase", name, "--home", str(home), *argv]
+def run_phase(name: str, home: Path, argv: list[str], *, measure: bool = False, script: str = __file__, **extra) -> dict:
+    """Run phase `name` of `script` in a process of its own; its last output line is its JSON result.
+
+    `extra` become `--key=value` arguments. With `measure` (and GNU time installed) the result gets
+    the process's peak_rss_mb and process_wall.
+    """
+    command = [sys.executable, script, "--phase", name, "--home", str(home), *argv, *[f"--{k}={v}" for k, v in extra.items()]]
     timed = measure and os.path.exists(GNU_TIME)
     if timed:
         command = [GNU_TIME, "-v", *command]

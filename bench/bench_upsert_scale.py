@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -40,9 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_upsert as upsert_bench  # noqa: E402
 from bench_upsert import HOUR_US, SPEC, T0_US, change_records  # noqa: E402
-
-GNU_TIME = "/usr/bin/time"
 
 
 def spec_named(name: str):
@@ -184,18 +181,7 @@ PHASES = {
 
 
 def run_phase(name: str, home: Path, argv: list[str], *, measure: bool = False, **extra) -> dict:
-    command = [sys.executable, __file__, "--phase", name, "--home", str(home), *argv, *[f"--{k}={v}" for k, v in extra.items()]]
-    timed = measure and os.path.exists(GNU_TIME)
-    if timed:
-        command = [GNU_TIME, "-v", *command]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"phase {name} failed:\n{proc.stdout}\n{proc.stderr}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if timed:
-        rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-        result["peak_rss_mb"] = round(int(rss[1]) / 1024) if rss else None
-    return result
+    return upsert_bench.run_phase(name, home, argv, measure=measure, script=__file__, **extra)
 
 
 def spread(values: list[float]) -> str:
