@@ -1,9 +1,8 @@
-"""The Dagster layer in process: definitions, sync job, finalization sensor, downstream guard, checks."""
+"""The Dagster layer in process, one scenario a test: definitions, sync job, finalization sensor, downstream guard, checks."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 from dagster import (
@@ -71,17 +70,44 @@ def test_definitions_declare_three_layers_per_table():
         assert checks == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
 
 
-def test_pipeline_in_process(env, monkeypatch):
-    from partfin_assets.defs import build_definitions
+CDC, BASE = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
+FINALIZED, ACTIVITY = AssetKey(["finalized", "orders"]), AssetKey(["activity", "orders_hourly"])
+STREAM_START_US = 1767225600_000_000  # START
 
+
+@pytest.fixture
+def synced(env):
+    """`env` after one sync run of orders (cdc and base written, nothing finalized yet)."""
     defs, instance, table = env
-    cdc, base = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
-    finalized, activity = AssetKey(["finalized", "orders"]), AssetKey(["activity", "orders_hourly"])
+    assert defs.resolve_job_def("sync_orders").execute_in_process(instance=instance).success
+    return defs, instance, table
 
-    # sync: checkpoints report the hour partitions they touched, with metadata
-    result = defs.resolve_job_def("sync_orders").execute_in_process(instance=instance)
-    assert result.success
-    cdc_events = _materializations(instance, cdc)
+
+def _tick(defs, instance, cursor=None):
+    """One evaluation of the finalization sensor, as the daemon runs it."""
+    sensor = defs.resolve_sensor_def("finalize_orders_sensor")
+    with build_sensor_context(instance=instance, cursor=cursor, resources=defs.get_repository_def().get_top_level_resources()) as ctx:
+        return sensor(ctx)
+
+
+def _finalize(defs, instance):
+    """A sensor tick whose finalization events are stored, as the daemon stores SensorResult.asset_events."""
+    result = _tick(defs, instance)
+    for event in result.asset_events:
+        instance.report_runless_asset_event(event)
+    return result
+
+
+def _base_watermark() -> int:
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.history import watermark_of
+
+    return watermark_of(load_partfin_catalog().load_table("base.orders").properties)
+
+
+def test_sync_reports_every_hour_it_touched_with_its_metadata(synced):
+    defs, instance, table = synced
+    cdc_events = _materializations(instance, CDC)
     assert cdc_events
     meta = cdc_events[0].asset_materialization.metadata
     for name in ("records", "event_time_min", "event_time_max", "event_time_p50", "event_time_p99", "watermark",
@@ -90,48 +116,54 @@ def test_pipeline_in_process(env, monkeypatch):
     assert isinstance(meta["lag_seconds"].value, float)
     partitions = {e.dagster_event.partition for e in cdc_events}
     assert "2026-01-01-00:00" in partitions and "2026-01-01-06:00" in partitions
-    base_events = _materializations(instance, base)
+    base_events = _materializations(instance, BASE)
     assert {e.dagster_event.partition for e in base_events} >= {"2026-01-01-00:00", "2026-01-01-05:00"}
     assert "records" in base_events[0].asset_materialization.metadata
 
-    # the finalization sensor: every hour below the base watermark, in order, once
-    sensor = defs.resolve_sensor_def("finalize_orders_sensor")
-    with build_sensor_context(instance=instance, resources=defs.get_repository_def().get_top_level_resources()) as ctx:
-        first = sensor(ctx)
+
+def test_finalization_sensor_requests_every_final_hour_once_in_order(synced):
+    defs, instance, table = synced
+    first = _finalize(defs, instance)
     keys = [r.partition_key for r in first.run_requests]
     assert keys == sorted(keys) and keys[0] == "2026-01-01-00:00"
+    assert len(keys) == (_base_watermark() - STREAM_START_US) // US_PER_HOUR  # every hour below the base watermark
     assert len(set(r.run_key for r in first.run_requests)) == len(keys)
     assert [e.partition for e in first.asset_events] == keys
-    from partfin_assets.finalization.hours import is_finalized
-    from partfin_assets.iceberg.catalog import load_partfin_catalog
-    from partfin_assets.iceberg.history import watermark_of
-
-    watermark = watermark_of(load_partfin_catalog().load_table("base.orders").properties)
-    assert len(keys) == (watermark - 1767225600_000_000) // US_PER_HOUR
-    for event in first.asset_events:  # what the daemon does with SensorResult.asset_events
-        instance.report_runless_asset_event(event)
-    with build_sensor_context(instance=instance, cursor=first.cursor, resources=defs.get_repository_def().get_top_level_resources()) as ctx:
-        second = sensor(ctx)
+    assert len(_materializations(instance, FINALIZED)) == len(keys)
+    second = _tick(defs, instance, cursor=first.cursor)
     assert not second.run_requests and not second.asset_events
-    # a lost cursor does not re-emit the finalization events (run_keys are deduped by the daemon)
-    with build_sensor_context(instance=instance, resources=defs.get_repository_def().get_top_level_resources()) as ctx:
-        replay = sensor(ctx)
-    assert not replay.asset_events and [r.run_key for r in replay.run_requests] == [r.run_key for r in first.run_requests]
-    assert len(_materializations(instance, finalized)) == len(keys)
 
-    # the downstream team's example (its own code location) computes from a finalized hour
+
+def test_a_lost_cursor_requests_the_same_runs_and_publishes_no_event_twice(synced):
+    defs, instance, table = synced
+    first = _finalize(defs, instance)
+    again = _tick(defs, instance)  # no cursor: the run_keys repeat (the daemon dedupes them), the events do not
+    assert not again.asset_events
+    assert [r.run_key for r in again.run_requests] == [r.run_key for r in first.run_requests]
+    assert len(_materializations(instance, FINALIZED)) == len(first.run_requests)
+
+
+def test_the_downstream_example_computes_from_a_finalized_hour(synced):
     from partfin_assets_tests.test_dagster_downstream_example import load_example
 
-    example = load_example()
-    revenue = example.defs.resolve_job_def("orders_revenue_hourly_job").execute_in_process(instance=instance, partition_key=keys[0])
+    defs, instance, table = synced
+    first_hour = _finalize(defs, instance).run_requests[0].partition_key
+    example = load_example()  # the downstream team's own code location
+    revenue = example.defs.resolve_job_def("orders_revenue_hourly_job").execute_in_process(instance=instance, partition_key=first_hour)
     assert revenue.success
 
-    # downstream: a finalized hour runs; an open hour is refused at once, unless forced
+
+def test_downstream_runs_a_final_hour_and_refuses_an_open_one_unless_forced(synced):
+    from partfin_assets.finalization.hours import is_finalized
+
+    defs, instance, table = synced
+    first_hour = _finalize(defs, instance).run_requests[0].partition_key
     job = defs.resolve_job_def("activity_orders_job")
-    ok = job.execute_in_process(instance=instance, partition_key=keys[0])
-    assert ok.success
-    done = _materializations(instance, activity)[0].asset_materialization.metadata
+    assert job.execute_in_process(instance=instance, partition_key=first_hour).success
+    done = _materializations(instance, ACTIVITY)[0].asset_materialization.metadata
     assert done["finalized"].value is True and done["rows"].value > 0
+
+    watermark = _base_watermark()
     open_hour = hour_key(watermark)
     assert not is_finalized(watermark, watermark)
     refused = job.execute_in_process(instance=instance, partition_key=open_hour, raise_on_error=False)
@@ -146,22 +178,37 @@ def test_pipeline_in_process(env, monkeypatch):
     )
     assert forced.success
 
-    # checks read metadata only; the generated stream has late data -> WARN
+
+def test_checks_warn_on_late_data_and_name_the_commits_that_brought_it(synced):
+    defs, instance, table = synced
     checks = defs.resolve_job_def("checks_orders").execute_in_process(instance=instance)
     evaluations = {e.check_name: e for e in checks.get_asset_check_evaluations()}
     assert evaluations["watermark_monotonic"].passed
     assert evaluations["watermark_matches_merged_cdc_snapshot"].passed
-    late = evaluations["late_data"]
+    late = evaluations["late_data"]  # the generated stream has a late tail the policy lets through
     assert not late.passed and late.severity == AssetCheckSeverity.WARN
-    assert late.metadata["late_records"].value > 0
-    assert json.dumps(late.metadata["commits"].value)
+    by_partition, commits = late.metadata["by_partition"].value, late.metadata["commits"].value
+    assert len(by_partition) == late.metadata["late_partitions"].value  # a short stream: every late hour is listed
+    assert sum(by_partition.values()) == late.metadata["late_records"].value > 0
+    assert set(commits) == set(by_partition)
+    assert all(ids and len(set(ids)) == len(ids) for ids in commits.values())  # each hour names its commits, once
     assert not evaluations["watermark_fresh"].passed  # a 2026-01-01 stream is months old
-    assert evaluations["late_data_after_run"].passed
+    assert evaluations["late_data_after_run"].passed  # no downstream run yet
     assert evaluations["rejected_input"].passed and evaluations["quarantined_changes"].passed
 
-    # every finalized hour runs; then the stream goes on and late rows land in hours that ran
-    for key in keys[1:]:
+
+def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monkeypatch):
+    from partfin_assets.defs import build_definitions
+
+    defs, instance, table = synced
+    keys = [r.partition_key for r in _finalize(defs, instance).run_requests]
+    job = defs.resolve_job_def("activity_orders_job")
+    for key in keys:
         assert job.execute_in_process(instance=instance, partition_key=key).success
+    open_hour = hour_key(_base_watermark())  # run too, by force
+    force = RunConfig(ops={"activity__orders_hourly": {"config": {"force": True}}})
+    assert job.execute_in_process(instance=instance, partition_key=open_hour, run_config=force).success
+    # the stream goes on and late rows land in hours that ran
     monkeypatch.setenv("PARTFIN_SOURCE", STREAM.replace("end=2026-01-01T06:30:00Z", "end=2026-01-01T10:00:00Z"))
     later = build_definitions([table])
     assert later.resolve_job_def("sync_orders").execute_in_process(instance=instance).success

@@ -1,5 +1,5 @@
-"""Table jobs in Dagster, in process: replay as a cdc partition materialization, compaction with a
-conflict retry, privacy delete (resumable), maintenance, and the instance's per-table limits."""
+"""Table jobs in Dagster: replay as a cdc partition materialization, compaction with a conflict retry,
+privacy delete (resumable), maintenance, and the instance's per-table limits under a real daemon."""
 
 import dataclasses
 import os
@@ -16,12 +16,12 @@ from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.files import live_files, read_files
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.jobs import compaction as compaction_core
-from partfin_assets.jobs.compaction import files_per_partition
 from partfin_assets.jobs.job import Job
 from partfin_assets.jobs.retry import ConflictRetryPolicy
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets_tests.table_helpers import commit_append, files_per_partition
 
 REPO = Path(__file__).resolve().parents[1]
 START = "2026-01-01T00:00:00Z"
@@ -86,20 +86,56 @@ def test_definitions_and_instance_limits():
         for schedule in (f"compact_{name}_schedule", f"maintain_{name}_schedule"):
             assert schedules[schedule].default_status.value == "RUNNING"
 
+    # privacy deletes of a table, one request at a time (the other limits are proven by behaviour:
+    # test_one_writer_and_one_maintenance_run_per_table_under_the_daemon, the backfill test below,
+    # test_dagster_daemon's run retry and test_postgres_deployment's downstream runs)
     home = Path(__import__("tempfile").mkdtemp())
     try:
         shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
         instance = DagsterInstance.from_config(str(home))
-        config = instance.get_concurrency_config()
-        limits = {t["key"]: t for t in config.run_queue_config.tag_concurrency_limits}
-        for key, limit in (("partfin/writer", 1), ("partfin/downstream", 2), ("partfin/maintenance", 1), ("partfin/privacy", 1)):
-            assert limits[key]["limit"] == limit and limits[key]["value"] == {"applyLimitPerUniqueValue": True}
-        assert config.run_queue_config.max_concurrent_runs == 4
-        assert config.pool_config.default_pool_limit == 1 and config.pool_config.pool_granularity.value == "op"
-        assert instance.run_retries_enabled
+        limits = {t["key"]: t for t in instance.get_concurrency_config().run_queue_config.tag_concurrency_limits}
+        assert limits["partfin/privacy"]["limit"] == 1 and limits["partfin/privacy"]["value"] == {"applyLimitPerUniqueValue": True}
         instance.dispose()
     finally:
         shutil.rmtree(home)
+
+
+@pytest.mark.timeout(600)
+def test_one_writer_and_one_maintenance_run_per_table_under_the_daemon(tmp_path):
+    """Two sync runs and a compaction + a maintenance run of orders, all queued before a real dagster-daemon
+    (the repo's dagster.yaml, room for 4 runs) starts: both pairs run one after the other, never at once."""
+    import subprocess
+
+    from dagster import DagsterRunStatus
+
+    from partfin_assets.testing import dagster_processes
+
+    home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
+    env = dagster_processes.dagster_env(
+        home, dagster_home, PARTFIN_SENSORS="", PARTFIN_SCHEDULES="", PARTFIN_SOURCE=STREAM,
+        PARTFIN_PARTITIONS_START="2026-01-01-00:00", PARTFIN_MAX_RECORDS="300",
+    )
+    launch = [dagster_processes.bin_path("dagster"), "job", "launch", "-w", str(REPO / "workspace.yaml"), "-j"]
+    jobs = ["sync_orders", "sync_orders", "compact_orders", "maintain_orders"]
+    for name in jobs:  # queued: the daemon's run queue starts them
+        done = subprocess.run([*launch, name], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+    instance = DagsterInstance.from_config(str(dagster_home))
+    assert [r.status for r in instance.get_runs()] == [DagsterRunStatus.QUEUED] * len(jobs)
+
+    finished = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+    proc = dagster_processes.daemon(env, tmp_path / "daemon.log").start()
+    try:
+        dagster_processes.wait_for(lambda: all(r.status in finished for r in instance.get_runs()), 420,
+                                   "the queued runs to finish", on_timeout=proc.log_tail)
+    finally:
+        proc.stop()
+    records = instance.get_run_records()
+    assert all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in records), [(r.dagster_run.job_name, r.dagster_run.status) for r in records]
+    for names in (("sync_orders",), ("compact_orders", "maintain_orders")):
+        spans = sorted((r.start_time, r.end_time) for r in records if r.dagster_run.job_name in names)
+        assert len(spans) == 2 and spans[0][1] <= spans[1][0], (names, spans)
+    instance.dispose()
 
 
 def test_replay_is_the_cdc_partition_materialization(synced):
@@ -177,7 +213,7 @@ def test_compaction_loses_a_race_once_and_succeeds_on_its_second_attempt(synced,
         with Job.start(catalog, "cdc.orders", JobKind.INTO) as writer:
             rows = read_files(writer.table, live_files(writer.table, None, [partition])[partition]).slice(0, 3)
             rows = rows.set_column(rows.schema.get_field_index("source_seq"), "source_seq", pc.add(rows.column("source_seq"), 10**12))
-            writer.commit_append(writer.write(rows))
+            commit_append(writer, writer.write(rows))
 
     def compact_with_race(*args, **kwargs):
         return real_compact(*args, before_commit=append_into_target, **kwargs)
@@ -221,7 +257,7 @@ def test_conflict_retries_are_bounded(synced, monkeypatch):
             partition = sorted(job.partitions)[0]
             with Job.start(catalog, "cdc.orders", JobKind.INTO) as writer:
                 rows = read_files(writer.table, live_files(writer.table, None, [partition])[partition][:1]).slice(0, 1)
-                writer.commit_append(writer.write(rows))
+                commit_append(writer, writer.write(rows))
 
     monkeypatch.setattr(compaction_core, "compact", lambda *a, **k: real_compact(*a, before_commit=always_lose, **k))
     result = defs.resolve_job_def("compact_orders").execute_in_process(instance=instance, raise_on_error=False)
