@@ -121,3 +121,44 @@ def test_only_the_dagster_layer_imports_dagster():
         if target == "dagster" or target.startswith("dagster.") or target.startswith("dagster_")
     ]
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+# ---- the README's "Code layout" section says the same as the code
+
+README = PACKAGE.parent / "README.md"
+
+
+def _readme_layout() -> tuple[str, str]:
+    """(the layer diagram, the module table) of the README's Code layout section."""
+    section = README.read_text().split("\n## Code layout\n", 1)[1].split("\n## ", 1)[0]
+    diagram = section.split("```\n", 1)[1].split("```", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+    return diagram, table
+
+
+def test_readme_diagram_draws_every_part_at_its_layer():
+    diagram, _ = _readme_layout()
+    drawn = {}
+    for line in diagram.splitlines():
+        layer, *words = line.split()
+        for word in words[:2]:  # the parts; the rest of the line is what they are
+            part = word.rstrip("/").removesuffix(".py")
+            if part in LAYERS:
+                drawn[part] = int(layer)
+    assert drawn == LAYERS
+
+
+def test_readme_module_table_names_every_module():
+    _, table = _readme_layout()
+    rows = table.splitlines()
+    missing = []
+    for module, path in modules().items():
+        if path.name == "__init__.py":
+            continue
+        relative = path.relative_to(PACKAGE).as_posix()
+        if f"`{relative}`" in table:
+            continue
+        package = f"`{path.parent.relative_to(PACKAGE).as_posix()}/`"
+        if not any(package in row and f"`{path.stem}`" in row for row in rows):
+            missing.append(relative)
+    assert not missing, f"modules the README's module table does not name: {missing}"
