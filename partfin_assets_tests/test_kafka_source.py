@@ -434,3 +434,81 @@ def test_a_topic_that_does_not_exist_is_one_line_and_creates_nothing(tmp_path, k
     assert process.returncode == 2 and len(lines) == 1, lines
     assert "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition" in lines[0]
     assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
+
+
+def start_cli(home, *args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
+    environment.update({"PARTFIN_HOME": str(home), **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "partfin_assets.cli", *args], env=environment,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 300) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of a started `partfin` process."""
+    _, stderr = process.communicate(timeout=timeout_s)
+    return process.returncode, stderr.decode().strip().splitlines()
+
+
+def bare_payload(line: bytes) -> bytes:
+    """A JsonConverter line with `schemas.enable=false`: the payload after the schema block, byte for byte."""
+    cut = line.index(b',"payload":')
+    payload = line[cut + len(b',"payload":'):-1]
+    assert json.loads(payload) == json.loads(line)["payload"]
+    return payload
+
+
+def cdc_of(home, table: str) -> pa.Table:
+    return load_partfin_catalog(home).load_table(f"cdc.{table}").scan().to_arrow().sort_by("source_seq")
+
+
+def test_real_debezium_output_decodes_the_same_from_kafka_as_from_a_file(tmp_path, kafka_cluster):
+    """Real Debezium messages (../shared/debezium-corpus), one per Kafka message, a tombstone as Kafka's
+    null value: `partfin ingest --source kafka:...` writes the same CDC records and declares the same
+    columns as `--source debezium:FILE` of the same values, with the schema envelope and without it
+    (one decoder), and base.<table> holds the corpus's expected rows."""
+    from partfin_assets_tests.test_debezium_corpus import CORPUS, base_differences, corpus_key
+
+    assert CORPUS is not None, "../shared/debezium-corpus is missing"
+    tombstone = b'{"schema":null,"payload":null}'
+    lines = {name: (CORPUS / f"{name}.jsonl").read_bytes().splitlines() for name in ("mysql_all_types", "mysql_products")}
+    assert tombstone in lines["mysql_products"]
+    runs = {  # (home, table) -> message values (None: a tombstone), and whether a file run is compared
+        ("envelope", "mysql_all_types"): ([None if x == tombstone else x for x in lines["mysql_all_types"]], True),
+        ("envelope", "mysql_products"): ([None if x == tombstone else x for x in lines["mysql_products"]], False),
+        ("bare", "mysql_products"): ([None if x == tombstone else bare_payload(x) for x in lines["mysql_products"]], True),
+    }
+    processes = {}
+    for (variant, table), (values, with_file) in runs.items():
+        topic = f"dbserver1.{variant}.{table}"
+        kafka_cluster.create_topic(topic, 1)
+        produce(kafka_cluster, topic, [dbz.DebeziumMessage(b"{}", value, T0_MS) for value in values])
+        key = ",".join(corpus_key(table))
+        processes[variant, table, "kafka"] = start_cli(tmp_path / f"kafka-{variant}", "ingest", "--table", table, "--source",
+                                                       kafka_spec(kafka_cluster, topic), "--primary-key", key)
+        if with_file:  # the same values as a Debezium file (a tombstone as an empty line)
+            path = tmp_path / f"{variant}-{table}.jsonl"
+            path.write_bytes(b"".join((value or b"") + b"\n" for value in values))
+            processes[variant, table, "file"] = start_cli(tmp_path / f"file-{variant}", "ingest", "--table", table, "--source",
+                                                          f"debezium:{path}", "--primary-key", key)
+    for name, process in processes.items():
+        code, stderr_lines = finish(process)
+        assert code == 0, (name, stderr_lines)
+
+    for (variant, table), (values, with_file) in runs.items():
+        from_kafka = cdc_of(tmp_path / f"kafka-{variant}", table)
+        assert from_kafka.num_rows == sum(value is not None for value in values) > 0
+        if not with_file:
+            continue
+        from_file = cdc_of(tmp_path / f"file-{variant}", table)
+        for column in ("key", "op", "event_time", "payload", "arrival_time"):
+            assert from_kafka.column(column).to_pylist() == from_file.column(column).to_pylist(), (variant, table, column)
+        # a file's source_seq is its line number, a Kafka message's its offset: one message per line
+        assert from_kafka.column("source_seq").to_pylist() == [seq - 1 for seq in from_file.column("source_seq").to_pylist()]
+        declared = [load_partfin_catalog(tmp_path / f"{kind}-{variant}").load_table(f"cdc.{table}").properties.get(K.PROP_COLUMNS)
+                    for kind in ("kafka", "file")]
+        assert declared[0] == declared[1], (variant, table)
+        assert bool(json.loads(declared[0] or "{}")) == (variant == "envelope")  # column types come from the schema blocks
+    # with the schema envelope, through `partfin upsert`: the rows the corpus expects, value by value
+    for table in ("mysql_all_types", "mysql_products"):
+        differences = base_differences(tmp_path / "kafka-envelope", table)
+        assert not differences, "\n".join(differences)
