@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -388,23 +389,34 @@ def test_dagster_sync_reads_partfin_source_kafka_and_the_group_sees_its_progress
     assert {str(tp.partition): tp.offset for tp in committed} == recorded["partitions"]
 
 
-def test_secrets_come_from_the_environment_and_never_show(tmp_path, kafka_cluster):
-    """librdkafka properties from PARTFIN_KAFKA_* variables: a bad value is one line naming the
-    property, never the value; a secret in the spec is refused. Neither creates anything."""
+def test_a_source_that_cannot_be_read_is_one_line_and_creates_nothing(tmp_path, kafka_cluster):
+    """Each case a real `partfin ingest` (run side by side): one line on stderr, exit 2, no table.
+    librdkafka properties come from PARTFIN_KAFKA_* variables: a bad value names the property, never
+    the value; a secret in the spec is refused; an unknown topic and brokers nobody answers on are
+    named (librdkafka's own lines about failing connections go to the log, not onto stderr)."""
     kafka_cluster.create_topic(TOPIC, 1)
     secret = "hunter2-do-not-print"
-    cases = {
-        "bad-value": (kafka_spec(kafka_cluster), {"PARTFIN_KAFKA_SESSION_TIMEOUT_MS": secret},
-                      'Invalid value for configuration property "session.timeout.ms"'),
-        "in-spec": (kafka_spec(kafka_cluster, extra=f"sasl.password={secret}"), {}, "PARTFIN_KAFKA_SASL_PASSWORD"),
-    }
-    for name, (spec, env, named) in cases.items():
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    try:
+        cases = {
+            "bad-value": (kafka_spec(kafka_cluster), {"PARTFIN_KAFKA_SESSION_TIMEOUT_MS": secret},
+                          'Invalid value for configuration property "session.timeout.ms"'),
+            "in-spec": (kafka_spec(kafka_cluster, extra=f"sasl.password={secret}"), {}, "PARTFIN_KAFKA_SASL_PASSWORD"),
+            "unknown-topic": (kafka_spec(kafka_cluster, topic="dbserver1.public.nope"), {},
+                              "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition"),
+            "no-broker": (f"kafka:127.0.0.1:{closed.getsockname()[1]}#{TOPIC}", {"PARTFIN_KAFKA_SASL_USERNAME": secret},
+                          "Failed to get metadata: Local: Broker transport failure"),
+        }
+        processes = {name: ingest(tmp_path / name, spec, env=env) for name, (spec, env, _) in cases.items()}
+        outcomes = {name: finish(process, 120) for name, process in processes.items()}
+    finally:
+        closed.close()
+    for name, (_, _, named) in cases.items():
+        code, lines = outcomes[name]
+        assert code == 2 and len(lines) == 1, (name, lines)
+        assert named in lines[0] and secret not in lines[0], (name, lines)
         home = tmp_path / name
-        process = ingest(home, spec, env=env)
-        _, stderr = process.communicate(timeout=120)
-        lines = stderr.decode().strip().splitlines()
-        assert process.returncode == 2 and len(lines) == 1, lines
-        assert named in lines[0] and secret not in lines[0]
         assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
 
 
@@ -424,16 +436,6 @@ def test_offsets_retention_deleted_stop_ingest_with_one_line(tmp_path, kafka_clu
     assert process.returncode == 2 and len(lines) == 1, lines
     assert "partition 0" in lines[0] and "(20)" in lines[0] and "retention" in lines[0]
     assert cdc_rows(home).num_rows == 20
-
-
-def test_a_topic_that_does_not_exist_is_one_line_and_creates_nothing(tmp_path, kafka_cluster):
-    home = tmp_path / "home"
-    process = ingest(home, kafka_spec(kafka_cluster, topic="dbserver1.public.nope"))
-    _, stderr = process.communicate(timeout=120)
-    lines = stderr.decode().strip().splitlines()
-    assert process.returncode == 2 and len(lines) == 1, lines
-    assert "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition" in lines[0]
-    assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
 
 
 def start_cli(home, *args: str, env: dict | None = None) -> subprocess.Popen:

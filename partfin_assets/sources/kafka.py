@@ -93,6 +93,18 @@ def _error_text(exc: KafkaException) -> str:
     return error.str() if isinstance(error, KafkaError) else str(exc)
 
 
+class _ClientLog:
+    """librdkafka's log lines (a broker connection failing, a rebalance, ...) as INFO records of this
+    module, redacted: without it librdkafka prints them onto stderr, hundreds for an unreachable
+    broker, around the one-line error partfin gives. confluent-kafka calls `.log(level, fmt, *args)`."""
+
+    def __init__(self, redact_text: Callable[[str], str]) -> None:
+        self._redact = redact_text
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        log.info("librdkafka: %s", self._redact(fmt % args))
+
+
 class KafkaSourceError(SourceError):
     """The Kafka source cannot read as configured (a missing topic, a refused property, a fatal client error)."""
 
@@ -262,6 +274,7 @@ class KafkaSource:
             "enable.partition.eof": True,
             "auto.offset.reset": "error",
             "error_cb": self._on_client_error,
+            "logger": _ClientLog(self._redact),  # librdkafka's own lines: through logging, not raw onto stderr
         }
         self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
