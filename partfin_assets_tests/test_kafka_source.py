@@ -219,9 +219,36 @@ def heartbeat(ts_ms: int, *, schema: bool) -> dbz.DebeziumMessage:
     return dbz.DebeziumMessage(b'{"serverName":"dbserver1"}', json.dumps(value).encode(), ts_ms)
 
 
+def group_offsets(cluster, group: str, partitions: int = 3) -> dict[int, int]:
+    """The group's committed offsets, as a lag monitor reads them."""
+    monitor = Consumer(cluster.client_config(**{"group.id": group}))
+    try:
+        return {tp.partition: tp.offset for tp in monitor.committed([TopicPartition(TOPIC, p) for p in range(partitions)], timeout=30)}
+    finally:
+        monitor.close()
+
+
+def set_group_offsets(cluster, group: str, offsets: dict[int, int]) -> None:
+    """Another member of the group commits these offsets (the mock refuses commits from non-members of
+    a group that had members; Kafka takes them when the group is empty: kafka-consumer-groups --reset-offsets)."""
+    other = Consumer(cluster.client_config(**{"group.id": group, "enable.auto.commit": False, **FAST_GROUP_SETTINGS}))
+    try:
+        other.subscribe([TOPIC])
+        deadline = time.monotonic() + 60
+        while not other.assignment():
+            assert time.monotonic() < deadline, "no assignment for the outside member"
+            other.poll(0.1)
+        other.commit(offsets=[TopicPartition(TOPIC, p, o) for p, o in offsets.items()], asynchronous=False)
+    finally:
+        other.close()
+    assert group_offsets(cluster, group, len(offsets)) == offsets
+
+
 def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     """Bad messages go to cdc.orders__rejected with topic, partition and offset and reading goes on;
-    tombstones carry no change but are read past; heartbeats of a partition move its progress."""
+    tombstones carry no change but are read past; heartbeats of a partition move its progress.
+    The group's offsets are never where reading starts: set to the end before the first run and
+    back to 0 before the second, they change nothing, and the second run sets them to the table's."""
     kafka_cluster.create_topic(TOPIC, 3)
     spec = kafka_spec(kafka_cluster)
     home = tmp_path / "home"
@@ -239,6 +266,7 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
         # heartbeats, two minutes apart (each commits: the writer's heartbeat interval is 60 s)
         history += [heartbeat(T0_MS + 5 * 3_600_000 + k * 120_000, schema=k % 2 == 0) for k in range(3)]
         produce_to(kafka_cluster, partition, history)
+    set_group_offsets(kafka_cluster, "partfin-orders", {0: 19, 1: 19, 2: 19})  # as if all were read
     stderr = run_ingest(home, spec, "--checkpoint-records", "4")
     assert "rejected 9" in stderr.splitlines()[-1]
 
@@ -261,10 +289,12 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     offsets = json.loads(table.properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"]
     assert json.loads(offsets) == {"topic": TOPIC, "partitions": {"0": 19, "1": 19, "2": 19}}  # tombstones read past
 
-    # a second run finds nothing new and rejects nothing twice
+    # a second run finds nothing new and rejects nothing twice, whatever the group says
+    set_group_offsets(kafka_cluster, "partfin-orders", {0: 0, 1: 0, 2: 0})
     run_ingest(home, spec, "--checkpoint-records", "4")
     assert catalog.load_table("cdc.orders__rejected").scan().to_arrow().num_rows == 9
     assert cdc_rows(home).num_rows == 36
+    assert group_offsets(kafka_cluster, "partfin-orders") == {0: 19, 1: 19, 2: 19}  # lag monitors see the table's
 
 
 def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:

@@ -24,9 +24,10 @@ Exactly once without trusting the group: the offset a checkpoint commits is the 
 every partition read so far (compact JSON `{"topic": T, "partitions": {"0": 1200, "1": 980}}`),
 recorded in the same Iceberg commit as the records (like Flink's Iceberg sink); a restarted or
 rebalanced reader seeks each partition it is assigned to the offset the table recorded (the log
-start for a partition never read). The group's offsets are committed after each Iceberg commit,
-only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress; partfin never reads
-them. Several processes may read one topic in one group under one writer id: the writer's
+start for a partition never read). The group's offsets are committed after each Iceberg commit
+(and set to the table's offsets when partitions are assigned, so a run after a crash between the
+two shows them too), only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress;
+partfin never reads them. Several processes may read one topic in one group under one writer id: the writer's
 compare-and-set on its committed position (ingest/writer.py) lets exactly one of two commits
 from one position land, and the loser reads its partitions again from what the winner recorded.
 
@@ -282,7 +283,7 @@ class KafkaSource:
         self._at_end: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
-        self._committed_offset: str | None = None  # the offset of the last Iceberg commit, for the group
+        self._committed_offset: str | None = None  # the table's committed offset (the last Iceberg commit), for the group
         self._consumer: Consumer | None = self._new_consumer()  # a bad property is one clear error before anything is created
         self._subscribed = False
         self._cluster_id: str = self._metadata().cluster_id  # an unknown topic too: before anything is created
@@ -426,6 +427,7 @@ class KafkaSource:
     def _restart_from(self, start_offset: str | None) -> None:
         """Read again from a committed offset: forget what is pending, seek every assigned partition back."""
         self._positions = dict(KafkaOffset.parse(start_offset, self.spec.topic).partitions) if start_offset else {}
+        self._committed_offset = start_offset  # the table's position: what the group shows once partitions are assigned
         self._pending.clear()
         self._at_end.clear()
         if self._assigned:  # assigned again at the restart positions (seek refuses partitions not fetching yet)
@@ -455,6 +457,8 @@ class KafkaSource:
         consumer.assign([self._at_position(p) for p in sorted(self._assigned)])  # where the table says, never the group
         self._at_end &= self._assigned
         log.info("kafka source %s: assigned partitions %s", self.spec.display, sorted(self._assigned))
+        if self._committed_offset is not None:  # a run that commits nothing new still shows lag monitors the table's position
+            self._commit_group_offsets(self._committed_offset, asynchronous=True)
 
     def _on_revoke(self, consumer, partitions) -> None:
         revoked = {tp.partition for tp in partitions}
