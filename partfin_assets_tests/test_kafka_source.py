@@ -314,6 +314,8 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     table = catalog.load_table("cdc.orders")
     offsets = json.loads(table.properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"]
     assert json.loads(offsets) == {"topic": TOPIC, "partitions": {"0": 19, "1": 19, "2": 19}}  # tombstones read past
+    # every partition's offset is in the last checkpoint's snapshot summary too, the one a restart resumes from
+    assert table.current_snapshot().summary[K.SOURCE_OFFSET] == offsets
 
     # a second run finds nothing new and rejects nothing twice, whatever the group says
     set_group_offsets(kafka_cluster, "partfin-orders", {0: 0, 1: 0, 2: 0})
