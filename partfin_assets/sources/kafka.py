@@ -27,9 +27,10 @@ rebalanced reader seeks each partition it is assigned to the offset the table re
 start for a partition never read). The group's offsets are committed after each Iceberg commit
 (and set to the table's offsets when partitions are assigned, so a run after a crash between the
 two shows them too), only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress;
-partfin never reads them. Several processes may read one topic in one group under one writer id: the writer's
-compare-and-set on its committed position (ingest/writer.py) lets exactly one of two commits
-from one position land, and the loser reads its partitions again from what the winner recorded.
+partfin never reads them. Several processes may read one topic in one group under one writer id:
+the writer's compare-and-set on its committed position (ingest/writer.py) lets exactly one of two
+commits from one position land, and the loser reads its partitions again from what the winner
+recorded.
 
 One batch holds the messages of one partition (`ChangeBatch.stream` = `<topic>-<partition>`),
 so every checkpoint belongs to one partition's progress stream (iceberg/streams.py): the
