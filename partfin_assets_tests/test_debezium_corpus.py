@@ -182,13 +182,24 @@ def rejected_lines(home: Path, table: str) -> list[str]:
 def corpus_differences(home: Path, name: str) -> list[str]:
     """Everything about base.<name> that is not what <name>.expected.json says, one line each."""
     path = CORPUS / f"{name}.jsonl"
-    expected = json.loads((CORPUS / f"{name}.expected.json").read_text())
-    key = expected["primary_key"]
-    ingest = partfin(home, "ingest", "--table", name, "--source", f"debezium:{path}", "--primary-key", ",".join(key))
+    ingest = partfin(home, "ingest", "--table", name, "--source", f"debezium:{path}", "--primary-key", ",".join(corpus_key(name)))
     problems = []
     if ingest.returncode != 0:
         problems.append(f"ingest exit {ingest.returncode}: {ingest.stderr.strip().splitlines()[-1:]}")
-    problems += [f"line rejected: {reason}" for reason in rejected_lines(home, name)]
+    return problems + base_differences(home, name)
+
+
+def corpus_key(name: str) -> list[str]:
+    return json.loads((CORPUS / f"{name}.expected.json").read_text())["primary_key"]
+
+
+def base_differences(home: Path, name: str) -> list[str]:
+    """After cdc.<name> was ingested (from whichever source): its rejects, then `partfin upsert` and
+    every difference of base.<name> from <name>.expected.json, one line each."""
+    path = CORPUS / f"{name}.jsonl"
+    expected = json.loads((CORPUS / f"{name}.expected.json").read_text())
+    key = expected["primary_key"]
+    problems = [f"line rejected: {reason}" for reason in rejected_lines(home, name)]
     fields = connect_fields(path)
     expected_columns = list(expected["rows"][0]) if expected["rows"] else list(fields)
     upsert = partfin(home, "upsert", "--table", name)

@@ -11,10 +11,12 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,6 +24,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.history import watermark_history
+from partfin_assets.iceberg.streams import set_idle_timeout, streams_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso, to_us
@@ -88,10 +91,11 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
     messages: list = []
     delivered: list = []
 
-    def produce_more(rounds: int) -> None:
+    def produce_more(rounds: int, *, only_partitions_0_and_1: bool = False) -> None:
         start = len(messages)
         more = dbz.row_history(range(start, start + 60), T0_MS + start * 60_000, updates=rounds, delete_every=7)
-        delivered.extend(produce(kafka_cluster, TOPIC, more))
+        by_key = [json.loads(m.key)["id"] % 2 for m in more] if only_partitions_0_and_1 else None
+        delivered.extend(produce(kafka_cluster, TOPIC, more, partitions=by_key))
         messages.extend(more)
 
     observed: list[int] = []
@@ -105,9 +109,28 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
         if K.PROP_WATERMARK in table.properties:
             observed.append(to_us(parse_iso(table.properties[K.PROP_WATERMARK])))
 
-    produce_more(3)
+    def recorded_offsets() -> dict[str, int]:
+        """The next offset of each partition the table recorded as read."""
+        if not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders"):
+            return {}
+        entry = load_partfin_catalog(home).load_table("cdc.orders").properties.get(f"{K.PROP_WRITER_PREFIX}orders-writer")
+        offset = json.loads(entry)["offset"] if entry else None
+        return json.loads(offset)["partitions"] if offset else {}
+
+    def unread() -> int:
+        return len(delivered) - sum(recorded_offsets().values())
+
+    # Partition 2 stays empty at first: the table's offsets know partitions 0 and 1 only, and partition
+    # 2's messages, when they come, are read from its log start (what a partition added to the topic
+    # is to the source; the mock cannot add partitions to a topic).
+    produce_more(6, only_partitions_0_and_1=True)  # 438 messages: the first run needs no more
+    partitions_recorded = []
+
     kills = Counter()
+    runs = 0
     while sum(kills.values()) < 20:
+        if unread() < 400:  # enough for three checkpoints of every partition: each run reaches its moment
+            produce_more(2)  # the topic grows between runs, as in production
         moment = ["after-files", "after-commit", "timed"][sum(kills.values()) % 3]
         crash_at = f"{moment}:{rng.randint(1, 3)}" if moment != "timed" else None
         process = ingest(home, spec, "--checkpoint-records", "40", crash_at=crash_at)
@@ -123,12 +146,14 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
         else:
             assert process.returncode == 0, stderr.decode()
         observe()
-        if sum(kills.values()) % 4 == 0 or process.returncode == 0:
-            produce_more(2)  # the topic grows between runs, as in production
+        runs += 1
+        partitions_recorded.append(sorted(recorded_offsets()))
 
     run_ingest(home, spec, "--checkpoint-records", "40")
     observe()
     assert kills == {"after-files": 7, "after-commit": 7, "timed": 6}
+    print(f"{runs} runs for 20 kills, then one to the end")
+    assert ["0", "1"] in partitions_recorded and partitions_recorded[-1] == ["0", "1", "2"]
     written = events(cdc_rows(home))
     expected = expected_events(messages, delivered)
     assert sum(expected.values()) > 1000
@@ -176,12 +201,13 @@ def test_a_stalled_partition_holds_the_watermark_until_it_catches_up_or_is_idle(
     run_ingest(home, spec, "--checkpoint-records", "50")
     assert watermark_hour(home) in (None, 0)  # partition 2 has only hour 0; the others would allow hour 7
 
-    streams = {row["stream"]: row for row in json.loads(partfin_cli(home, "streams", "list", "--table", "orders", "--json"))["streams"]}
+    # the progress streams `partfin streams list` shows (test_progress_streams.py runs the command itself)
+    streams = streams_of(load_partfin_catalog(home).load_table("cdc.orders").properties)
     partitions = {f"orders-writer/{TOPIC}-{p}" for p in range(3)}
-    assert partitions <= set(streams) and streams["orders-writer"]["state"] == "retired"
-    assert all(streams[s]["state"] == "active" for s in partitions)
-    assert streams[f"orders-writer/{TOPIC}-2"]["progress"].startswith("2026-11-01T00:00")
-    assert streams[f"orders-writer/{TOPIC}-0"]["progress"] >= "2026-11-01T07:00"
+    assert partitions <= set(streams) and streams["orders-writer"].retired
+    assert not any(streams[s].retired for s in partitions)
+    assert (streams[f"orders-writer/{TOPIC}-2"].progress_us // 1000 - T0_MS) // HOUR_MS == 0
+    assert (streams[f"orders-writer/{TOPIC}-0"].progress_us // 1000 - T0_MS) // HOUR_MS >= 7
 
     produce_to(kafka_cluster, 2, per_minute(ids[2], 30, 600))  # partition 2 catches up
     run_ingest(home, spec, "--checkpoint-records", "50")
@@ -190,7 +216,7 @@ def test_a_stalled_partition_holds_the_watermark_until_it_catches_up_or_is_idle(
     # partitions 0 and 1 go on to hour 20; partition 2 stays silent past the idle timeout
     produce_to(kafka_cluster, 0, per_minute(ids[0], 600, 1200))
     produce_to(kafka_cluster, 1, per_minute(ids[1], 600, 1200))
-    partfin_cli(home, "streams", "idle-timeout", "--table", "orders", "1s")
+    set_idle_timeout(load_partfin_catalog(home), "cdc.orders", timedelta(seconds=1))  # `partfin streams idle-timeout`
     time.sleep(2)
     run_ingest(home, spec, "--checkpoint-records", "50")
     assert watermark_hour(home) == 17
@@ -218,9 +244,36 @@ def heartbeat(ts_ms: int, *, schema: bool) -> dbz.DebeziumMessage:
     return dbz.DebeziumMessage(b'{"serverName":"dbserver1"}', json.dumps(value).encode(), ts_ms)
 
 
+def group_offsets(cluster, group: str, partitions: int = 3) -> dict[int, int]:
+    """The group's committed offsets, as a lag monitor reads them."""
+    monitor = Consumer(cluster.client_config(**{"group.id": group}))
+    try:
+        return {tp.partition: tp.offset for tp in monitor.committed([TopicPartition(TOPIC, p) for p in range(partitions)], timeout=30)}
+    finally:
+        monitor.close()
+
+
+def set_group_offsets(cluster, group: str, offsets: dict[int, int]) -> None:
+    """Another member of the group commits these offsets (the mock refuses commits from non-members of
+    a group that had members; Kafka takes them when the group is empty: kafka-consumer-groups --reset-offsets)."""
+    other = Consumer(cluster.client_config(**{"group.id": group, "enable.auto.commit": False, **FAST_GROUP_SETTINGS}))
+    try:
+        other.subscribe([TOPIC])
+        deadline = time.monotonic() + 60
+        while not other.assignment():
+            assert time.monotonic() < deadline, "no assignment for the outside member"
+            other.poll(0.1)
+        other.commit(offsets=[TopicPartition(TOPIC, p, o) for p, o in offsets.items()], asynchronous=False)
+    finally:
+        other.close()
+    assert group_offsets(cluster, group, len(offsets)) == offsets
+
+
 def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     """Bad messages go to cdc.orders__rejected with topic, partition and offset and reading goes on;
-    tombstones carry no change but are read past; heartbeats of a partition move its progress."""
+    tombstones carry no change but are read past; heartbeats of a partition move its progress.
+    The group's offsets are never where reading starts: set to the end before the first run and
+    back to 0 before the second, they change nothing, and the second run sets them to the table's."""
     kafka_cluster.create_topic(TOPIC, 3)
     spec = kafka_spec(kafka_cluster)
     home = tmp_path / "home"
@@ -238,6 +291,7 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
         # heartbeats, two minutes apart (each commits: the writer's heartbeat interval is 60 s)
         history += [heartbeat(T0_MS + 5 * 3_600_000 + k * 120_000, schema=k % 2 == 0) for k in range(3)]
         produce_to(kafka_cluster, partition, history)
+    set_group_offsets(kafka_cluster, "partfin-orders", {0: 19, 1: 19, 2: 19})  # as if all were read
     stderr = run_ingest(home, spec, "--checkpoint-records", "4")
     assert "rejected 9" in stderr.splitlines()[-1]
 
@@ -259,11 +313,15 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     table = catalog.load_table("cdc.orders")
     offsets = json.loads(table.properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"]
     assert json.loads(offsets) == {"topic": TOPIC, "partitions": {"0": 19, "1": 19, "2": 19}}  # tombstones read past
+    # every partition's offset is in the last checkpoint's snapshot summary too, the one a restart resumes from
+    assert table.current_snapshot().summary[K.SOURCE_OFFSET] == offsets
 
-    # a second run finds nothing new and rejects nothing twice
+    # a second run finds nothing new and rejects nothing twice, whatever the group says
+    set_group_offsets(kafka_cluster, "partfin-orders", {0: 0, 1: 0, 2: 0})
     run_ingest(home, spec, "--checkpoint-records", "4")
     assert catalog.load_table("cdc.orders__rejected").scan().to_arrow().num_rows == 9
     assert cdc_rows(home).num_rows == 36
+    assert group_offsets(kafka_cluster, "partfin-orders") == {0: 19, 1: 19, 2: 19}  # lag monitors see the table's
 
 
 def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
@@ -380,31 +438,37 @@ def test_dagster_sync_reads_partfin_source_kafka_and_the_group_sees_its_progress
     base = catalog.load_table("base.orders").scan().to_arrow().filter(pc.invert(pc.field("_deleted")))
     assert sorted(base.column("id").to_pylist()) == [i for i in range(40) if i % 4]
     recorded = json.loads(json.loads(catalog.load_table("cdc.orders").properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"])
-    monitor = Consumer(kafka_cluster.client_config(**{"group.id": "orders-sync"}))
-    try:
-        committed = monitor.committed([TopicPartition(TOPIC, p) for p in range(3)], timeout=30)
-    finally:
-        monitor.close()
-    assert {str(tp.partition): tp.offset for tp in committed} == recorded["partitions"]
+    assert {str(p): o for p, o in group_offsets(kafka_cluster, "orders-sync").items()} == recorded["partitions"]
 
 
-def test_secrets_come_from_the_environment_and_never_show(tmp_path, kafka_cluster):
-    """librdkafka properties from PARTFIN_KAFKA_* variables: a bad value is one line naming the
-    property, never the value; a secret in the spec is refused. Neither creates anything."""
+def test_a_source_that_cannot_be_read_is_one_line_and_creates_nothing(tmp_path, kafka_cluster):
+    """Each case a real `partfin ingest` (run side by side): one line on stderr, exit 2, no table.
+    librdkafka properties come from PARTFIN_KAFKA_* variables: a bad value names the property, never
+    the value; a secret in the spec is refused; an unknown topic and brokers nobody answers on are
+    named (librdkafka's own lines about failing connections go to the log, not onto stderr)."""
     kafka_cluster.create_topic(TOPIC, 1)
     secret = "hunter2-do-not-print"
-    cases = {
-        "bad-value": (kafka_spec(kafka_cluster), {"PARTFIN_KAFKA_SESSION_TIMEOUT_MS": secret},
-                      'Invalid value for configuration property "session.timeout.ms"'),
-        "in-spec": (kafka_spec(kafka_cluster, extra=f"sasl.password={secret}"), {}, "PARTFIN_KAFKA_SASL_PASSWORD"),
-    }
-    for name, (spec, env, named) in cases.items():
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    try:
+        cases = {
+            "bad-value": (kafka_spec(kafka_cluster), {"PARTFIN_KAFKA_SESSION_TIMEOUT_MS": secret},
+                          'Invalid value for configuration property "session.timeout.ms"'),
+            "in-spec": (kafka_spec(kafka_cluster, extra=f"sasl.password={secret}"), {}, "PARTFIN_KAFKA_SASL_PASSWORD"),
+            "unknown-topic": (kafka_spec(kafka_cluster, topic="dbserver1.public.nope"), {},
+                              "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition"),
+            "no-broker": (f"kafka:127.0.0.1:{closed.getsockname()[1]}#{TOPIC}", {"PARTFIN_KAFKA_SASL_USERNAME": secret},
+                          "Failed to get metadata: Local: Broker transport failure"),
+        }
+        processes = {name: ingest(tmp_path / name, spec, env=env) for name, (spec, env, _) in cases.items()}
+        outcomes = {name: finish(process, 120) for name, process in processes.items()}
+    finally:
+        closed.close()
+    for name, (_, _, named) in cases.items():
+        code, lines = outcomes[name]
+        assert code == 2 and len(lines) == 1, (name, lines)
+        assert named in lines[0] and secret not in lines[0], (name, lines)
         home = tmp_path / name
-        process = ingest(home, spec, env=env)
-        _, stderr = process.communicate(timeout=120)
-        lines = stderr.decode().strip().splitlines()
-        assert process.returncode == 2 and len(lines) == 1, lines
-        assert named in lines[0] and secret not in lines[0]
         assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
 
 
@@ -426,11 +490,75 @@ def test_offsets_retention_deleted_stop_ingest_with_one_line(tmp_path, kafka_clu
     assert cdc_rows(home).num_rows == 20
 
 
-def test_a_topic_that_does_not_exist_is_one_line_and_creates_nothing(tmp_path, kafka_cluster):
-    home = tmp_path / "home"
-    process = ingest(home, kafka_spec(kafka_cluster, topic="dbserver1.public.nope"))
-    _, stderr = process.communicate(timeout=120)
-    lines = stderr.decode().strip().splitlines()
-    assert process.returncode == 2 and len(lines) == 1, lines
-    assert "topic 'dbserver1.public.nope' cannot be read: Broker: Unknown topic or partition" in lines[0]
-    assert not (home / "catalog.db").exists() or not load_partfin_catalog(home).table_exists("cdc.orders")
+def start_cli(home, *args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
+    environment.update({"PARTFIN_HOME": str(home), **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "partfin_assets.cli", *args], env=environment,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 300) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of a started `partfin` process."""
+    _, stderr = process.communicate(timeout=timeout_s)
+    return process.returncode, stderr.decode().strip().splitlines()
+
+
+def bare_payload(line: bytes) -> bytes:
+    """A JsonConverter line with `schemas.enable=false`: the payload after the schema block, byte for byte."""
+    cut = line.index(b',"payload":')
+    payload = line[cut + len(b',"payload":'):-1]
+    assert json.loads(payload) == json.loads(line)["payload"]
+    return payload
+
+
+def cdc_of(home, table: str) -> pa.Table:
+    return load_partfin_catalog(home).load_table(f"cdc.{table}").scan().to_arrow().sort_by("source_seq")
+
+
+def test_real_debezium_output_decodes_the_same_from_kafka_as_from_a_file(tmp_path, kafka_cluster):
+    """Real Debezium messages (../shared/debezium-corpus), one per Kafka message, a tombstone as Kafka's
+    null value: `partfin ingest --source kafka:...` writes the same CDC records and declares the same
+    columns as `--source debezium:FILE` of the same values, with the schema envelope (~78 column
+    types) and without it (r, c, d, a tombstone, u): one decoder; and base.<table> holds the rows the
+    corpus expects."""
+    from partfin_assets_tests.test_debezium_corpus import CORPUS, base_differences, corpus_key
+
+    assert CORPUS is not None, "../shared/debezium-corpus is missing"
+    tombstone = b'{"schema":null,"payload":null}'
+    lines = {name: (CORPUS / f"{name}.jsonl").read_bytes().splitlines() for name in ("mysql_all_types", "mysql_products")}
+    assert tombstone in lines["mysql_products"]
+    runs = {  # (home, table) -> message values (None: a tombstone)
+        ("envelope", "mysql_all_types"): [None if x == tombstone else x for x in lines["mysql_all_types"]],
+        ("bare", "mysql_products"): [None if x == tombstone else bare_payload(x) for x in lines["mysql_products"]],
+    }
+    processes = {}
+    for (variant, table), values in runs.items():
+        topic = f"dbserver1.{variant}.{table}"
+        kafka_cluster.create_topic(topic, 1)
+        produce(kafka_cluster, topic, [dbz.DebeziumMessage(b"{}", value, T0_MS) for value in values])
+        key = ",".join(corpus_key(table))
+        processes[variant, table, "kafka"] = start_cli(tmp_path / f"kafka-{variant}", "ingest", "--table", table, "--source",
+                                                       kafka_spec(kafka_cluster, topic), "--primary-key", key)
+        path = tmp_path / f"{variant}-{table}.jsonl"  # the same values as a Debezium file (a tombstone: an empty line)
+        path.write_bytes(b"".join((value or b"") + b"\n" for value in values))
+        processes[variant, table, "file"] = start_cli(tmp_path / f"file-{variant}", "ingest", "--table", table, "--source",
+                                                      f"debezium:{path}", "--primary-key", key)
+    for name, process in processes.items():
+        code, stderr_lines = finish(process)
+        assert code == 0, (name, stderr_lines)
+
+    for (variant, table), values in runs.items():
+        from_kafka = cdc_of(tmp_path / f"kafka-{variant}", table)
+        assert from_kafka.num_rows == sum(value is not None for value in values) > 0
+        from_file = cdc_of(tmp_path / f"file-{variant}", table)
+        for column in ("key", "op", "event_time", "payload", "arrival_time"):
+            assert from_kafka.column(column).to_pylist() == from_file.column(column).to_pylist(), (variant, table, column)
+        # a file's source_seq is its line number, a Kafka message's its offset: one message per line
+        assert from_kafka.column("source_seq").to_pylist() == [seq - 1 for seq in from_file.column("source_seq").to_pylist()]
+        declared = [load_partfin_catalog(tmp_path / f"{kind}-{variant}").load_table(f"cdc.{table}").properties.get(K.PROP_COLUMNS)
+                    for kind in ("kafka", "file")]
+        assert declared[0] == declared[1], (variant, table)
+        assert bool(json.loads(declared[0] or "{}")) == (variant == "envelope")  # column types come from the schema blocks
+    # with the schema envelope, through `partfin upsert`: the rows the corpus expects, value by value
+    differences = base_differences(tmp_path / "kafka-envelope", "mysql_all_types")
+    assert not differences, "\n".join(differences)

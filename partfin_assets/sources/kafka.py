@@ -24,11 +24,13 @@ Exactly once without trusting the group: the offset a checkpoint commits is the 
 every partition read so far (compact JSON `{"topic": T, "partitions": {"0": 1200, "1": 980}}`),
 recorded in the same Iceberg commit as the records (like Flink's Iceberg sink); a restarted or
 rebalanced reader seeks each partition it is assigned to the offset the table recorded (the log
-start for a partition never read). The group's offsets are committed after each Iceberg commit,
-only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress; partfin never reads
-them. Several processes may read one topic in one group under one writer id: the writer's
-compare-and-set on its committed position (ingest/writer.py) lets exactly one of two commits
-from one position land, and the loser reads its partitions again from what the winner recorded.
+start for a partition never read). The group's offsets are committed after each Iceberg commit
+(and set to the table's offsets when partitions are assigned, so a run after a crash between the
+two shows them too), only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress;
+partfin never reads them. Several processes may read one topic in one group under one writer id:
+the writer's compare-and-set on its committed position (ingest/writer.py) lets exactly one of two
+commits from one position land, and the loser reads its partitions again from what the winner
+recorded.
 
 One batch holds the messages of one partition (`ChangeBatch.stream` = `<topic>-<partition>`),
 so every checkpoint belongs to one partition's progress stream (iceberg/streams.py): the
@@ -91,6 +93,18 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse help
 def _error_text(exc: KafkaException) -> str:
     error = exc.args[0] if exc.args else None
     return error.str() if isinstance(error, KafkaError) else str(exc)
+
+
+class _ClientLog:
+    """librdkafka's log lines (a broker connection failing, a rebalance, ...) as INFO records of this
+    module, redacted: without it librdkafka prints them onto stderr, hundreds for an unreachable
+    broker, around the one-line error partfin gives. confluent-kafka calls `.log(level, fmt, *args)`."""
+
+    def __init__(self, redact_text: Callable[[str], str]) -> None:
+        self._redact = redact_text
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        log.info("librdkafka: %s", self._redact(fmt % args))
 
 
 class KafkaSourceError(SourceError):
@@ -262,6 +276,7 @@ class KafkaSource:
             "enable.partition.eof": True,
             "auto.offset.reset": "error",
             "error_cb": self._on_client_error,
+            "logger": _ClientLog(self._redact),  # librdkafka's own lines: through logging, not raw onto stderr
         }
         self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
@@ -269,7 +284,7 @@ class KafkaSource:
         self._at_end: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
-        self._committed_offset: str | None = None  # the offset of the last Iceberg commit, for the group
+        self._committed_offset: str | None = None  # the table's committed offset (the last Iceberg commit), for the group
         self._consumer: Consumer | None = self._new_consumer()  # a bad property is one clear error before anything is created
         self._subscribed = False
         self._cluster_id: str = self._metadata().cluster_id  # an unknown topic too: before anything is created
@@ -413,6 +428,7 @@ class KafkaSource:
     def _restart_from(self, start_offset: str | None) -> None:
         """Read again from a committed offset: forget what is pending, seek every assigned partition back."""
         self._positions = dict(KafkaOffset.parse(start_offset, self.spec.topic).partitions) if start_offset else {}
+        self._committed_offset = start_offset  # the table's position: what the group shows once partitions are assigned
         self._pending.clear()
         self._at_end.clear()
         if self._assigned:  # assigned again at the restart positions (seek refuses partitions not fetching yet)
@@ -442,6 +458,8 @@ class KafkaSource:
         consumer.assign([self._at_position(p) for p in sorted(self._assigned)])  # where the table says, never the group
         self._at_end &= self._assigned
         log.info("kafka source %s: assigned partitions %s", self.spec.display, sorted(self._assigned))
+        if self._committed_offset is not None:  # a run that commits nothing new still shows lag monitors the table's position
+            self._commit_group_offsets(self._committed_offset, asynchronous=True)
 
     def _on_revoke(self, consumer, partitions) -> None:
         revoked = {tp.partition for tp in partitions}
