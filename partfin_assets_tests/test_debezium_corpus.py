@@ -289,15 +289,13 @@ def all_types(tmp_path_factory) -> Landed:
 
 
 def _expected(edit):
-    def mutate(expected: dict, rows: list[dict]) -> None:
-        edit(expected["rows"][0]) if expected["rows"] else None
-    return mutate
+    """A mutation of the expected row."""
+    return lambda expected, rows: edit(expected["rows"][0])
 
 
 def _actual(edit):
-    def mutate(expected: dict, rows: list[dict]) -> None:
-        edit(rows[0])
-    return mutate
+    """A mutation of the row read from base (what a wrong decoder would have stored)."""
+    return lambda expected, rows: edit(rows[0])
 
 
 def _set(column, value):
@@ -330,8 +328,8 @@ MUTATIONS = {
     "point-srid": ("_point", _actual(lambda row: row.__setitem__("_point", {**row["_point"], "srid": 4326}))),
     "geometry-wkb": ("_geometry", _actual(lambda row: row.__setitem__("_geometry", {**row["_geometry"], "wkb": b"\x01"}))),
     "column-missing": ("_extra", _expected(_set("_extra", 1))),
-    "column-unexpected": ("_set", _expected(lambda row: row.pop("_set"))),
-    "another-key": ("row", _expected(_set("_id", 2))),
+    "column-unexpected": ("_set: column in base", _expected(lambda row: row.pop("_set"))),
+    "another-key": ("missing from base", _expected(_set("_id", 2))),
     "table-empty": ("missing from base", lambda expected, rows: rows.clear()),
     "row-twice": ("live rows for 1 keys", lambda expected, rows: rows.append(dict(rows[0]))),
 }
