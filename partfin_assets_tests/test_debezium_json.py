@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
+from datetime import datetime, time
+from decimal import Decimal
 
 import pyarrow as pa
 import pytest
@@ -220,3 +223,69 @@ def test_schemaless_messages_are_typed_by_the_declaration():
     assert payload == {"id": 1, "total": "7.50", "score": "NaN", "at": "2024-05-01T12:00:00.500000", "more": "1.10"}
     with pytest.raises(RejectedMessage, match="column 'total'"):
         decoder.decode(line.replace("7.5", '"abc"'))
+
+
+# --------------------------------------------------------------------------- through the CLI: the types the corpus lacks
+
+# Connect field, a value as Debezium writes it, the Iceberg type of base.<table>'s column, the value read back
+BEYOND_CORPUS = {
+    "tiny": ({"type": "int8"}, -7, "int", -7),
+    "single": ({"type": "float"}, "NaN", "float", "nan"),
+    "single_inf": ({"type": "float32"}, "-Infinity", "float", "-inf"),
+    "t_ms": ({"type": "int32", "name": "io.debezium.time.Time"}, 10162813, "time", time(2, 49, 22, 813000)),
+    "t_ns": ({"type": "int64", "name": "io.debezium.time.NanoTime"}, 1_000_001_999, "time", time(0, 0, 1, 1)),
+    "ts_ms": ({"type": "int64", "name": "io.debezium.time.Timestamp"}, 1666147762813, "timestamp", datetime(2022, 10, 19, 2, 49, 22, 813000)),
+    "ts_ns": (
+        {"type": "int64", "name": "io.debezium.time.NanoTimestamp"}, 1_666_147_762_813_456_789, "timestamp",
+        datetime(2022, 10, 19, 2, 49, 22, 813456),
+    ),
+    "duration": ({"type": "int64", "name": "io.debezium.time.MicroDuration"}, 90_000_000, "long", 90_000_000),
+    "zoned_time": ({"type": "string", "name": "io.debezium.time.ZonedTime"}, "10:15:30Z", "string", "10:15:30Z"),
+    "interval": ({"type": "string", "name": "io.debezium.time.Interval"}, "P1Y2M3DT4H5M6.78S", "string", "P1Y2M3DT4H5M6.78S"),
+    "xml": ({"type": "string", "name": "io.debezium.data.Xml"}, "<a>b</a>", "string", "<a>b</a>"),
+    "place": (
+        {"type": "struct", "name": "io.debezium.data.geometry.Geography", "fields": []},
+        {"wkb": "AQEAAAAAAAAAAADwPwAAAAAAAABA", "srid": 4326}, "struct<wkb: binary, srid: int>",
+        {"wkb": base64.b64decode("AQEAAAAAAAAAAADwPwAAAAAAAABA"), "srid": 4326},
+    ),
+    "tags": ({"type": "array", "items": {"type": "string"}}, ["a", "b"], "string", '["a","b"]'),
+    "attrs": ({"type": "map", "keys": {"type": "string"}, "values": {"type": "int32"}}, {"k": 1}, "string", '{"k":1}'),
+    "d38": (decimal_field(10, 38), unscaled_base64(12345678901234567890123456789012345678), "decimal(38, 10)",
+            Decimal("1234567890123456789012345678.9012345678")),
+    "d40_number": (decimal_field(2, 40), "NUMBER", "string", "12345678901234567890123456789012345678.10"),
+    "vec": ({"type": "struct", "name": "io.debezium.data.SparseVector", "fields": []}, {"dimensions": 3, "vector": {"1": 0.5}},
+            "string", '{"dimensions":3,"vector":{"1":0.5}}'),
+}
+NUMBER = "12345678901234567890123456789012345678.10"  # decimal.format=NUMERIC: a JSON number with 40 digits
+
+
+def test_types_the_corpus_lacks_land_in_base_through_the_cli(tmp_path):
+    """`partfin ingest` + `partfin upsert` of a Debezium file with every type the corpus does not have: each column
+    gets its Iceberg type and exact value in base; the unknown type is text with one warning naming it; a line
+    with a value that fits no column is rejected naming the column and the rest goes on."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets_tests.test_cli import partfin
+
+    fields = {"id": {"type": "int64", "optional": False}, **{name: field for name, (field, _, _, _) in BEYOND_CORPUS.items()}}
+    row = {"id": 1, **{name: value for name, (_, value, _, _) in BEYOND_CORPUS.items()}}
+    lines = [change_line({**row, "id": key}, TS_MS + key * 60_000, fields=fields).replace('"NUMBER"', NUMBER) for key in (1, 2, 3)]
+    lines.insert(1, change_line({**row, "id": 9, "tiny": "7"}, TS_MS, fields=fields).replace('"NUMBER"', NUMBER))
+    path = tmp_path / "beyond.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    ingest = partfin(tmp_path, "ingest", "--table", "beyond", "--source", f"debezium:{path}", "--primary-key", "id")
+    upsert = partfin(tmp_path, "upsert", "--table", "beyond")
+    assert ingest.returncode == 0 and upsert.returncode == 0, (ingest.stderr, upsert.stderr)
+    warnings = [line for line in ingest.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "'vec'" in warnings[0] and "io.debezium.data.SparseVector" in warnings[0], ingest.stderr
+
+    catalog = load_partfin_catalog(tmp_path)
+    rejected = catalog.load_table("cdc.beyond__rejected").scan().to_arrow().to_pylist()
+    assert [(r["source_seq"], "column 'tiny'" in r["reason"]) for r in rejected] == [(2, True)]
+    base = catalog.load_table("base.beyond")
+    types = {f.name: re.sub(r"\b\d+: |\b(?:optional|required) ", "", str(f.field_type)) for f in base.schema().fields}  # no field ids
+    rows = {r["id"]: r for r in base.scan().to_arrow().to_pylist() if not r["_deleted"]}
+    assert sorted(rows) == [1, 2, 3]
+    for name, (_, _, iceberg_type, value) in BEYOND_CORPUS.items():
+        assert types[name] == iceberg_type, (name, types[name])
+        got = rows[3][name]
+        assert (repr(got) if isinstance(got, float) else got) == value, (name, got)

@@ -52,7 +52,10 @@ CLI_CASES = [
     *[
         pytest.param({"PARTFIN_CATALOG_URI": uri}, command, id=f"catalog-{name}-{command[0]}")
         for name, uri in CATALOG_URIS.items()
-        for command in (["status"], ["upsert", "--table", "orders"], ["ingest", "--table", "orders", "--source", "synthetic"])
+        for command in (
+            ["status"], ["upsert", "--table", "orders"], ["ingest", "--table", "orders", "--source", "synthetic"],
+            ["streams", "list", "--table", "orders"],
+        )
     ],
     pytest.param(
         {

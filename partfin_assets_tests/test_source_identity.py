@@ -3,6 +3,11 @@ to another source kind, are refused with one clear line, as `partfin ingest` use
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pyarrow.compute as pc
 import pytest
 
@@ -107,3 +112,35 @@ def test_an_untouched_file_resumes_where_it_stopped(tmp_path):
     rows = load_partfin_catalog(home).load_table("cdc.orders").scan().to_arrow()
     assert sorted(rows.column("source_seq").to_pylist()) == list(range(1, 31))
     assert pc.count_distinct(rows.column("key")).as_py() == 30
+
+
+def test_file_truncated_while_following_stops_with_one_line(tmp_path):
+    """`ingest --follow` is reading when logrotate's copytruncate empties the file and new events follow. It must
+    stop with one line (exit 2), not wait silently behind the shorter file or resume inside one of its lines."""
+    path, home = tmp_path / "orders.jsonl", tmp_path / "home"
+    append_lines(path, hour_of_changes("2026-11-01T00:00:00Z", range(1, 41)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
+    command = [sys.executable, "-m", "partfin_assets.cli", "ingest", "--table", "orders", "--source", f"debezium:{path}",
+               "--primary-key", "id", "--checkpoint-records", "10", "--follow"]
+    process = subprocess.Popen(command, env={**env, "PARTFIN_HOME": str(home)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            catalog = load_partfin_catalog(home)
+            if catalog.table_exists("cdc.orders") and catalog.load_table("cdc.orders").scan().to_arrow().num_rows == 40:
+                break
+            time.sleep(0.5)
+        assert process.poll() is None, process.stderr.read()
+        path.write_text("")
+        append_lines(path, hour_of_changes("2026-11-01T01:00:00Z", range(1000, 1010)))
+        returncode = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stderr = process.stderr.read()
+    errors = [line for line in stderr.splitlines() if not line.startswith("cdc.orders: checkpoint")]
+    print(f"truncated while following: exit {returncode}; {errors}")
+    assert returncode == 2 and len(errors) == 1, stderr
+    assert str(path) in errors[0] and "truncated" in errors[0]
+    assert table_counts(home) == (40, 0)

@@ -6,6 +6,8 @@ in-process upsert's, the commit is one UPDATE/DELETE snapshot, and a lost race l
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from partfin_assets.iceberg.history import summary_of
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets_tests.test_upsert import SPEC, Harness
+from partfin_assets_tests.test_upsert import SPEC, T0, Harness, records
 from partfin_assets_tests.test_upsert_crash import random_changes
 from partfin_assets_tests.test_upsert_properties import reference
 
@@ -72,6 +74,34 @@ def test_fanned_out_upsert_equals_the_in_process_one(tmp_path: Path, instance):
 
     ok, steps = run_fanout(instance, tmp_path / "partfin")  # nothing new: the plan step yields no group, nothing commits
     assert ok and len(h.base().metadata.snapshots) == before + 1
+
+
+def test_a_run_with_no_group_to_merge_still_moves_base_to_the_cdc_snapshot(tmp_path: Path, instance):
+    """New CDC snapshots whose only change is quarantined, or that carry heartbeats only, leave no key group to merge.
+    The run must still commit base's position and watermark, as `partfin upsert` does; else base's watermark freezes
+    on an idle stream, and every later run decodes the quarantined change again."""
+    h = Harness(tmp_path / "partfin")
+    h.write([(1, "c", 0, 1, 1.0)])
+    h.upsert()
+    h.write(table=records([(3, "c", 90, 3, 3.0)], payload=lambda c: json.dumps({"id": 3, "amount": "lots", "status": "x"})))
+    ok, _ = run_fanout(instance, tmp_path / "partfin")
+    assert ok
+    assert h.base().properties[K.PROP_SOURCE_SNAPSHOT_ID] == str(h.cdc().current_snapshot().snapshot_id)
+    assert summary_of(h.base().current_snapshot())[K.UPSERT_QUARANTINED] == "1"
+    assert h.catalog.load_table(SPEC.quarantine_identifier).scan().to_arrow().num_rows == 1
+
+    for hours in (5, 6, 7):
+        h.write(heartbeat=T0 + timedelta(hours=hours))
+    ok, _ = run_fanout(instance, tmp_path / "partfin")
+    assert ok
+    base, cdc = h.base(), h.cdc()
+    print(f"\nheartbeats only: cdc watermark {cdc.properties[K.PROP_WATERMARK]}, base watermark {base.properties.get(K.PROP_WATERMARK)}")
+    assert base.properties[K.PROP_SOURCE_SNAPSHOT_ID] == str(cdc.current_snapshot().snapshot_id)
+    assert base.properties[K.PROP_WATERMARK] == cdc.properties[K.PROP_WATERMARK] > "2024-05-01T10:00:00Z"
+    assert h.live() == {1: (1.0, 1)}
+    snapshots = len(base.metadata.snapshots)
+    ok, _ = run_fanout(instance, tmp_path / "partfin")  # nothing new: nothing commits
+    assert ok and len(h.base().metadata.snapshots) == snapshots
 
 
 def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instance):

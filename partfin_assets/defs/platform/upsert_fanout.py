@@ -15,9 +15,10 @@ ALL_STEPS`), since re-committing the same groups could only conflict again.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import polars as pl
-from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, job, multiprocess_executor, op
+from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, Out, Output, job, multiprocess_executor, op
 
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
@@ -48,23 +49,34 @@ class FanoutConfig(Config):
 
 
 @dataclass(frozen=True)
-class GroupTask:
-    """One group's share of an upsert run: its files at the start snapshot and its winning changes."""
+class RunPlan:
+    """What the commit step needs whatever the groups: the run's start on base and the CDC position it merges up to.
+
+    A run may have no group to merge (every new change quarantined, heartbeat checkpoints only) and still
+    commits base's position and watermark, as `partfin upsert` does.
+    """
 
     start: JobStart
     plan: MergePosition
-    files: GroupFiles
-    changes: pl.DataFrame
     changes_read: int
     quarantined: int
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """One group's share of an upsert run: its files at the start snapshot and its winning changes."""
+
+    plan: MergePosition
+    files: GroupFiles
+    changes: pl.DataFrame
 
 
 def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
     name = table.name
 
-    @op(name=f"plan_upsert_{name}", out=DynamicOut(GroupTask), tags={"kind": "iceberg"})
+    @op(name=f"plan_upsert_{name}", out={"run": Out(Optional[RunPlan]), "groups": DynamicOut(GroupTask)}, tags={"kind": "iceberg"})
     def plan(context: OpExecutionContext, config: FanoutConfig, catalog: IcebergCatalogResource):
-        """Plan the run at one snapshot of each table, decode the changes, one output per key group."""
+        """Plan the run at one snapshot of each table, decode the changes: the run (None: nothing new), one output per key group."""
         iceberg = catalog.load()
         cdc = load_existing_table(iceberg, f"cdc.{name}", "ingest into it first (partfin ingest)")
         spec = TableSpec.from_properties(name, cdc.properties)
@@ -74,15 +86,16 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         if upsert_plan is None:
             sync_merged_tag(iceberg, name)
             context.log.info(f"base.{name} is up to date with cdc.{name}: nothing to merge")
+            yield Output(None, "run")
             return
         changes, unfit = decode_changes(spec, read_files(upsert_plan.cdc, upsert_plan.cdc_files))
         quarantine_changes(iceberg, spec, unfit, upsert_plan.cdc_snapshot.snapshot_id)
         by_group = split_by_group(upsert_plan, winners(spec, changes))
         context.log.info(f"{changes.height} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
+        yield Output(RunPlan(job_.started, upsert_plan.position, changes.height + unfit.num_rows, unfit.num_rows), "run")
         for group, group_changes in sorted(by_group.items()):
             files = upsert_plan.layout.get(group, GroupFiles(group, []))
-            task = GroupTask(job_.started, upsert_plan.position, files, group_changes, changes.height + unfit.num_rows, unfit.num_rows)
-            yield DynamicOutput(task, mapping_key=f"group_{group}")
+            yield DynamicOutput(GroupTask(upsert_plan.position, files, group_changes), output_name="groups", mapping_key=f"group_{group}")
 
     @op(name=f"merge_group_{name}", tags={"kind": "iceberg"})
     def merge(context: OpExecutionContext, catalog: IcebergCatalogResource, task: GroupTask) -> tuple[GroupTask, GroupMerge]:
@@ -102,22 +115,23 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         return task, result
 
     @op(name=f"commit_upsert_{name}", tags={"kind": "iceberg"})
-    def commit(context: OpExecutionContext, catalog: IcebergCatalogResource, groups: list[tuple[GroupTask, GroupMerge]]) -> None:
-        """One commit for every group; on a conflict every group's files are deleted and the run fails (retried whole)."""
-        if not groups:
-            context.log.info("no group had changes: nothing to commit")
+    def commit(
+        context: OpExecutionContext, catalog: IcebergCatalogResource, run: Optional[RunPlan], groups: list[tuple[GroupTask, GroupMerge]]
+    ) -> None:
+        """One commit for every group (none: base's position and watermark); on a conflict every group's files are deleted
+        and the run fails (retried whole)."""
+        if run is None:
+            context.log.info("nothing new in the CDC table: nothing to commit")
             return
         iceberg = catalog.load()
-        first = groups[0][0]
-        job_ = Job.resume(iceberg, first.plan.spec.base_identifier, JobKind.UPDATE_DELETE, first.start)
+        job_ = Job.resume(iceberg, run.plan.spec.base_identifier, JobKind.UPDATE_DELETE, run.start)
         merges = [m for _, m in groups]
         with job_:
             job_.adopt(f for m in merges for f in m.add)
-            committed = commit_merge(job_, first.plan, merges, [t.files.group for t, _ in groups], quarantined=first.quarantined)
+            committed = commit_merge(job_, run.plan, merges, [t.files.group for t, _ in groups], quarantined=run.quarantined)
         sync_merged_tag(iceberg, name)
         result = result_of(
-            first.plan, merges, job_.table.metadata, committed.snapshot_id, first.changes_read, committed.attempts,
-            quarantined=first.quarantined,
+            run.plan, merges, job_.table.metadata, committed.snapshot_id, run.changes_read, committed.attempts, quarantined=run.quarantined,
         )
         context.log.info(result.describe())
 
@@ -130,6 +144,7 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         tags={"partfin/table": name, "dagster/max_retries": "3", "dagster/retry_strategy": "ALL_STEPS"},
     )
     def upsert_job():
-        commit(plan().map(merge).collect())
+        run, groups = plan()
+        commit(run, groups.map(merge).collect())
 
     return upsert_job

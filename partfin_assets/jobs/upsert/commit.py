@@ -49,8 +49,6 @@ def commit_merge(
     }
     if quarantined:
         summary[K.UPSERT_QUARANTINED] = str(quarantined)
-    if quarantined:
-        summary[K.UPSERT_QUARANTINED] = str(quarantined)
     properties = dict(position)
     if plan.watermark:
         summary[K.WATERMARK] = plan.watermark
