@@ -22,3 +22,7 @@ class InvalidInput(PartfinError, ValueError):
 
 class SourceError(PartfinError, ValueError):
     """A CDC source that cannot be read as configured (a missing file, a declaration its data contradicts)."""
+
+
+class SnapshotUnavailable(PartfinError, LookupError):
+    """A table cannot be read as of the snapshot asked for: it expired, or a privacy delete ran after it."""
