@@ -92,7 +92,8 @@ def test_definitions_and_instance_limits():
         instance = DagsterInstance.from_config(str(home))
         config = instance.get_concurrency_config()
         limits = {t["key"]: t for t in config.run_queue_config.tag_concurrency_limits}
-        for key, limit in (("partfin/writer", 1), ("partfin/downstream", 2), ("partfin/maintenance", 1), ("partfin/privacy", 1)):
+        for key, limit in (("partfin/writer", 1), ("partfin/downstream", 2), ("partfin/downstream-hour", 1), ("partfin/maintenance", 1),
+                           ("partfin/privacy", 1)):
             assert limits[key]["limit"] == limit and limits[key]["value"] == {"applyLimitPerUniqueValue": True}
         assert config.run_queue_config.max_concurrent_runs == 4
         assert config.pool_config.default_pool_limit == 1 and config.pool_config.pool_granularity.value == "op"

@@ -145,6 +145,7 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                 run_key=f"{table.name}:{key}" + (f":amendment:{position.snapshot_id}" if late is not None else ""),
                 partition_key=key,
                 tags={"partfin/table": table.name, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
+                      "partfin/downstream-hour": f"{table.name}:{key}",  # dagster.yaml: one run of an hour at a time
                       **read_tags(position.snapshot_id, amendment=late is not None)},
             )
         )
