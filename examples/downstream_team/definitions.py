@@ -1,4 +1,4 @@
-"""A downstream team's own code location, built only on partfin's finalization event.
+"""A downstream team's own code location, built only on partfin's finalization event (and its Dagster-free readers).
 
 Contract (partfin README, "Subscribing to finalized hours"): when hour H of table T is
 final, one runless materialization of asset `finalized/<T>` with partition H
@@ -88,7 +88,7 @@ def orders_revenue_hourly(context: AssetExecutionContext) -> MaterializeResult:
     paid = live.filter(pl.col("status") == "paid") if live.height else live
     revenue = float(paid["amount"].sum()) if paid.height else 0.0
     return MaterializeResult(
-        metadata={"paid_orders": paid.height, "revenue": revenue, "base_snapshot_id": point.snapshot_id, "read_from": point.origin}
+        metadata={"paid_orders": paid.height, "revenue": revenue, "base_snapshot_id": point.snapshot_id, "base_snapshot_origin": point.origin}
     )
 
 
