@@ -1,8 +1,9 @@
 """Bench: a finalization-sensor tick with 10 vs 10,000 hours of history.
 
-A tick reads one table property of base.<table> (table metadata only) and the newest
-`finalized/<table>` event from the Dagster instance; it never lists partitions, snapshots
-or files. This bench builds real histories (CDC writer + upsert over N hours of synthetic
+A tick reads base.<table>'s metadata (watermark property, current snapshot), the sequence
+number of the cdc snapshot it merged (cdc metadata), and the `finalized/<table>` events of
+the hours it walks from the Dagster instance; it never lists partitions or files (the late-data
+ledger is read only for cdc commits merged since the last tick). This bench builds real histories (CDC writer + upsert over N hours of synthetic
 orders, N `finalized/orders` events in a SQLite Dagster instance), then times:
 
 - steady tick:   cursor at the head, nothing new (what almost every tick is);

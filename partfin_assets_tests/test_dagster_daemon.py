@@ -4,7 +4,9 @@ The test drives the stream itself (CDC writer + upsert in this process, sync sen
 runs the daemon, stops it mid-way while more hours finalize, restarts it, and checks:
 one successful downstream run per finalized hour, none for unfinalized hours, one
 `finalized/orders` event per finalized hour, and a run that failed once was retried
-(bounded, via run retries in dagster.yaml) without ever duplicating a success.
+(bounded, via run retries in dagster.yaml) without ever duplicating a success, reading the
+same base snapshot. Late records that reached an hour already final give an amendment event
+and one re-run of that hour, reading the snapshot the amendment names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunSta
 
 from partfin_assets.defs.tables import TABLES
 from partfin_assets.finalization.hours import hour_key, newly_finalized
+from partfin_assets.finalization.read_points import AMENDMENT_TAG, BASE_SNAPSHOT_TAG
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -106,20 +109,34 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     finally:
         proc.stop()
 
-    runs = downstream_runs(instance)
-    by_status = Counter((r.tags.get("dagster/partition"), r.status) for r in runs)
+    all_runs = downstream_runs(instance)
+    by_status = Counter((r.tags.get("dagster/partition"), r.status) for r in all_runs)
+    # re-runs for late data that reached an hour after it was final (the stream has some) are amendments
+    runs = [r for r in all_runs if r.tags.get(AMENDMENT_TAG) != "true"]
+    amendment_runs = [r for r in all_runs if r.tags.get(AMENDMENT_TAG) == "true"]
     successes = Counter(r.tags.get("dagster/partition") for r in runs if r.status == DagsterRunStatus.SUCCESS)
     assert successes == Counter({key: 1 for key in expected}), by_status
-    assert {r.tags.get("dagster/partition") for r in runs} == set(expected)  # nothing for unfinalized hours
+    assert {r.tags.get("dagster/partition") for r in all_runs} == set(expected)  # nothing for unfinalized hours
     # hour order of the requests
     first_runs = sorted((r for r in runs if "dagster/parent_run_id" not in r.tags), key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
     assert [r.tags["dagster/partition"] for r in first_runs] == expected
-    # the injected failure was retried once by the daemon, with the same partition
-    failed = [r for r in runs if r.status == DagsterRunStatus.FAILURE]
+    # the injected failure was retried once by the daemon, with the same partition and the same base snapshot
+    failed = [r for r in all_runs if r.status == DagsterRunStatus.FAILURE]
     assert [r.tags["dagster/partition"] for r in failed] == [FAIL_ONCE_HOUR]
-    retry = [r for r in runs if r.tags.get("dagster/parent_run_id") == failed[0].run_id]
+    retry = [r for r in all_runs if r.tags.get("dagster/parent_run_id") == failed[0].run_id]
     assert len(retry) == 1 and retry[0].status == DagsterRunStatus.SUCCESS
-    # the runless finalization event: once per finalized hour, in hour order
-    events = instance.fetch_materializations(AssetRecordsFilter(asset_key=FINALIZED), limit=10_000, ascending=True).records
-    assert [e.partition_key for e in events] == expected
+    assert retry[0].tags[BASE_SNAPSHOT_TAG] == failed[0].tags[BASE_SNAPSHOT_TAG]
+    # the runless finalization event: once per finalized hour, in hour order, naming the snapshot its run read
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=FINALIZED), limit=10_000, ascending=True).records
+    events = [(r.partition_key, {k: v.value for k, v in r.event_log_entry.asset_materialization.metadata.items()}) for r in records]
+    finalizations = [(key, meta) for key, meta in events if not meta["amendment"]]
+    assert [key for key, _ in finalizations] == expected
+    read = {(r.tags["dagster/partition"], r.tags[BASE_SNAPSHOT_TAG]) for r in first_runs}
+    assert read == {(key, str(meta["base_snapshot_id"])) for key, meta in finalizations}
+    # each amendment (late records for an hour final before the daemon stopped): one successful re-run reading its snapshot
+    amendments = [(key, meta) for key, meta in events if meta["amendment"]]
+    print(f"{len(amendments)} amendment(s): {[(key, meta['late_records']) for key, meta in amendments]}")
+    assert all(key in phase1 and meta["late_records"] > 0 for key, meta in amendments)
+    assert sorted((r.tags["dagster/partition"], r.tags[BASE_SNAPSHOT_TAG]) for r in amendment_runs if r.status == DagsterRunStatus.SUCCESS) \
+        == sorted((key, str(meta["base_snapshot_id"])) for key, meta in amendments)
     instance.dispose()

@@ -95,6 +95,8 @@ def test_definitions_and_instance_limits():
         instance = DagsterInstance.from_config(str(home))
         limits = {t["key"]: t for t in instance.get_concurrency_config().run_queue_config.tag_concurrency_limits}
         assert limits["partfin/privacy"]["limit"] == 1 and limits["partfin/privacy"]["value"] == {"applyLimitPerUniqueValue": True}
+        # runs of one downstream hour never overlap: an amendment's re-run writes after the earlier run
+        assert limits["partfin/downstream-hour"]["limit"] == 1
         instance.dispose()
     finally:
         shutil.rmtree(home)

@@ -84,7 +84,6 @@ def pipeline(tmp_path, monkeypatch):
         yield Pipeline(path, instance)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §6: the downstream run of H reads the current base table")
 def test_downstream_hour_reads_base_at_its_finalization_snapshot(pipeline):
     """Before: a run of H1 after a row of H1 was updated later (its newest change now in H3) saw 19 rows, not 20,
     and the example's revenue dropped from 200.0 to 190.0: the result depended on when the run happened."""
@@ -111,7 +110,6 @@ def test_downstream_hour_reads_base_at_its_finalization_snapshot(pipeline):
     assert revenue_later["base_snapshot_id"] == finalization["base_snapshot_id"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §6: no amendment event; a re-run for late data reads the current base")
 def test_rerun_for_late_data_reads_the_snapshot_that_carried_it(pipeline):
     """Late records for H1 arrive after H1 was final. The finalization sensor records an amendment of H1 naming
     the base snapshot that carried them and requests a re-run; that run (and any retry or later run) reads
@@ -137,3 +135,54 @@ def test_rerun_for_late_data_reads_the_snapshot_that_carried_it(pipeline):
     for result in (pipeline.activity(H1_KEY, rerun.tags), pipeline.activity(H1_KEY)):
         assert result["rows"] == 22 and result["base_snapshot_id"] == amendment["base_snapshot_id"]
     assert pipeline.revenue(H1_KEY)["revenue"] == 220.0
+
+
+def _step_failure(result) -> str:
+    """What the user reads: the Failure's description, else the error's message line."""
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    data = failure.event_specific_data
+    return data.user_failure_data.description if data.user_failure_data else data.error.message.strip()
+
+
+FORCE = {"ops": {"activity__orders_hourly": {"config": {"force": True}}}}
+
+
+@pytest.mark.parametrize("change_after", ["expiry", "privacy_delete"])
+def test_unreadable_finalization_snapshot_fails_in_one_line_unless_forced(pipeline, change_after):
+    """H1's finalization snapshot is gone (maintain_orders expired it) or predates a privacy delete (reading it would
+    bring erased rows back): a run of H1 fails at once, in one line naming the snapshot and how to force it; forced, it
+    reads the current base and records that. The example's asset fails in one line too, never reads no rows."""
+    pipeline.sync()
+    pipeline.finalization_tick()
+    (finalization,) = pipeline.events(H1_KEY)
+    append_lines(pipeline.path, [change("u", 101, ms(HOURS[3]) + 10 * 60_000, status="shipped")])  # 101 leaves H1
+    pipeline.sync()
+    if change_after == "expiry":
+        maintain = pipeline.defs.resolve_job_def("maintain_orders")
+        config = {"ops": {"expire_snapshots_orders": {"config": {"keep_last": 1}}}}
+        assert maintain.execute_in_process(instance=pipeline.instance, run_config=config).success
+        expected = f"base.orders no longer holds snapshot {finalization['base_snapshot_id']} (expired by snapshot expiry)"
+    else:
+        privacy = pipeline.defs.resolve_job_def("privacy_delete_orders")
+        config = {"ops": {"privacy_delete_orders_op": {"config": {"keys": [{"id": 102}], "request_id": "gdpr-7"}}}}
+        assert privacy.execute_in_process(instance=pipeline.instance, run_config=config).success
+        expected = f"privacy delete gdpr-7 on base.orders ran after snapshot {finalization['base_snapshot_id']}"
+
+    job = pipeline.defs.resolve_job_def("activity_orders_job")
+    refused = job.execute_in_process(instance=pipeline.instance, partition_key=H1_KEY, raise_on_error=False)
+    message = _step_failure(refused)
+    print(message)
+    assert not refused.success and expected in message and "finalization event" in message
+    assert "config.force: true" in message and "\n" not in message
+
+    forced = job.execute_in_process(instance=pipeline.instance, partition_key=H1_KEY, run_config=FORCE)
+    (event,) = forced.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.materialization.metadata.items()}
+    assert meta["forced"] is True and meta["base_snapshot_id"] != finalization["base_snapshot_id"]
+    assert meta["rows"] == (19 if change_after == "expiry" else 18)  # now: 101 moved to H3 (and 102 erased)
+    assert meta["base_snapshot_origin"].startswith("current snapshot (forced")
+
+    revenue = pipeline.example.defs.resolve_job_def("orders_revenue_hourly_job").execute_in_process(
+        instance=pipeline.instance, partition_key=H1_KEY, raise_on_error=False
+    )
+    assert not revenue.success and expected in _step_failure(revenue)

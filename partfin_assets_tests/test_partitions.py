@@ -46,6 +46,10 @@ def test_newly_finalized_in_order_and_bounded():
     cursor = FinalizationCursor(H0 + US_PER_HOUR)
     assert FinalizationCursor.decode(cursor.encode()) == cursor
     assert FinalizationCursor.decode(None) is None
+    with_sequence = FinalizationCursor(H0 + US_PER_HOUR, merged_sequence=42)
+    assert FinalizationCursor.decode(with_sequence.encode()) == with_sequence
+    # a cursor stored before partfin kept the merged cdc sequence: no late-data window yet
+    assert FinalizationCursor.decode('{"next_hour": "2026-01-01T01:00:00Z"}').merged_sequence is None
 
 
 def test_hour_stats_are_exact_per_hour():

@@ -49,18 +49,21 @@ def not_finalized_reason(hour_us: int, watermark_us: int | None, identifier: str
 
 @dataclass(frozen=True)
 class FinalizationCursor:
-    """The finalization sensor's cursor: the first hour not yet requested."""
+    """The finalization sensor's cursor: the first hour not yet requested, and the cdc sequence number
+    base had merged up to when late data was last looked for (None: not yet, e.g. an older cursor)."""
 
     next_hour_us: int
+    merged_sequence: int | None = None
 
     def encode(self) -> str:
-        return json.dumps({"next_hour": iso_z(self.next_hour_us)})
+        return json.dumps({"next_hour": iso_z(self.next_hour_us), "merged_sequence": self.merged_sequence})
 
     @classmethod
     def decode(cls, text: str | None) -> FinalizationCursor | None:
         if not text:
             return None
-        return cls(to_us(parse_iso(json.loads(text)["next_hour"])))
+        state = json.loads(text)
+        return cls(to_us(parse_iso(state["next_hour"])), state.get("merged_sequence"))
 
 
 def newly_finalized(next_hour_us: int, watermark_us: int | None, limit: int | None = None) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import polars as pl
 from pyiceberg.catalog import Catalog
+from pyiceberg.expressions import And, BooleanExpression, GreaterThan, LessThanOrEqual
 
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.model import summary_keys as K
@@ -45,9 +46,19 @@ class LateHour:
 LATE_COLUMNS = ("snapshot_id", "sequence_number", "commit_time", "hour", "late_records")
 
 
-def late_data(catalog: Catalog, cdc_identifier: str) -> dict[int, LateHour]:
-    """Late records per hour over the table's whole history (its ledger), with the commits that brought them."""
-    rows = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS).filter(pl.col("late_records") > 0)
+def late_data(
+    catalog: Catalog, cdc_identifier: str, *, after_sequence: int | None = None, up_to_sequence: int | None = None
+) -> dict[int, LateHour]:
+    """Late records per hour over the table's whole history (its ledger), with the commits that brought them.
+
+    With `after_sequence` / `up_to_sequence`: only the commits of cdc sequence numbers in that window.
+    """
+    row_filter: BooleanExpression = GreaterThan("late_records", 0)
+    if after_sequence is not None:
+        row_filter = And(row_filter, GreaterThan("sequence_number", after_sequence))
+    if up_to_sequence is not None:
+        row_filter = And(row_filter, LessThanOrEqual("sequence_number", up_to_sequence))
+    rows = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS, row_filter=row_filter)
     found: dict[int, list[LateCommit]] = {}
     for row in rows.with_columns(pl.col("hour", "commit_time").dt.epoch("us")).iter_rows(named=True):
         found.setdefault(row["hour"], []).append(

@@ -15,8 +15,8 @@ from partfin_assets.model.stats import CommitStats, commit_stats
 from partfin_assets.model.timeutil import parse_iso, to_us
 
 
-def lineage(metadata: TableMetadata) -> Iterator[Snapshot]:
-    """Snapshots of the main branch, newest first.
+def lineage(metadata: TableMetadata, start: Snapshot | None = None) -> Iterator[Snapshot]:
+    """Snapshots of the main branch, newest first (from `start` and its ancestors, when given).
 
     Expiry removes snapshots from the middle of the chain while keeping older ones the
     policy or a writer's resume position needs, and PyIceberg then clears the parent link
@@ -25,7 +25,7 @@ def lineage(metadata: TableMetadata) -> Iterator[Snapshot]:
     main's ancestors).
     """
     last = None
-    for snapshot in ancestors_of(metadata.current_snapshot(), metadata):
+    for snapshot in ancestors_of(start if start is not None else metadata.current_snapshot(), metadata):
         last = snapshot
         yield snapshot
     if last is None:
@@ -190,13 +190,21 @@ def snapshots_since(
     return None
 
 
-def recorded_watermark(metadata: TableMetadata) -> int | None:
-    """The watermark recorded by the newest snapshot of main that recorded one (what a reader of that snapshot saw)."""
-    for snapshot in lineage(metadata):
-        watermark = watermark_of(summary_of(snapshot))
-        if watermark is not None:
-            return watermark
+def recorded_value(metadata: TableMetadata, key: str, snapshot: Snapshot | None = None) -> str | None:
+    """Summary entry `key` as of `snapshot` (default: the head): the newest one recorded at or before it.
+
+    Commits that do not carry it (a compaction, a privacy delete) leave the one before in force.
+    """
+    for entry in lineage(metadata, snapshot):
+        value = summary_of(entry).get(key)
+        if value is not None:
+            return value
     return None
+
+
+def recorded_watermark(metadata: TableMetadata, snapshot: Snapshot | None = None) -> int | None:
+    """The watermark recorded as of `snapshot` (default: the head): what a reader of that snapshot saw."""
+    return watermark_of({K.WATERMARK: recorded_value(metadata, K.WATERMARK, snapshot) or ""})
 
 
 def late_records_total(metadata: TableMetadata) -> int:

@@ -41,6 +41,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
+from pyiceberg.expressions import AlwaysTrue, BooleanExpression
 from pyiceberg.manifest import DataFile, ManifestContent, ManifestEntryStatus
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
@@ -364,14 +365,17 @@ def _dotted(table: Table) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-def read_ledger(catalog: Catalog, cdc_identifier: str, *, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
-    """The ledger's rows (all columns, or `columns`), oldest checkpoint first; empty when there is no ledger yet."""
+def read_ledger(
+    catalog: Catalog, cdc_identifier: str, *, columns: tuple[str, ...] | None = None, row_filter: BooleanExpression = AlwaysTrue()
+) -> pl.DataFrame:
+    """The ledger's rows (all columns, or `columns`; those `row_filter` selects), oldest checkpoint first; empty when
+    there is no ledger yet."""
     names = list(columns) if columns is not None else LEDGER_ARROW_SCHEMA.names
     ledger = load_table_if_exists(catalog, ledger_identifier(cdc_identifier))
     if ledger is None:
         data = LEDGER_ARROW_SCHEMA.empty_table().select(names)
     else:
-        data = ledger.scan(selected_fields=tuple(names)).to_arrow() if ledger.current_snapshot() is not None else \
+        data = ledger.scan(row_filter=row_filter, selected_fields=tuple(names)).to_arrow() if ledger.current_snapshot() is not None else \
             LEDGER_ARROW_SCHEMA.empty_table().select(names)
     frame = pl.from_arrow(data)
     assert isinstance(frame, pl.DataFrame)

@@ -41,8 +41,9 @@ from pyiceberg.types import (
 
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
 from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction
+from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import InvalidInput
+from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
 from partfin_assets.model.tablespec import TableSpec
 
 CDC_SCHEMA = Schema(
@@ -288,6 +289,29 @@ def _with_delta_columns(catalog: Catalog, table: Table, spec: TableSpec) -> Tabl
     return catalog.load_table(spec.base_identifier)
 
 
+def snapshot_unavailable_reason(table: Table, snapshot_id: int) -> str | None:
+    """Why `table` may not be read as of `snapshot_id`, or None.
+
+    The snapshot expired (PyIceberg would silently read no rows), or a privacy delete committed
+    after it: its files still hold the erased rows until expiry and orphan removal, and a read
+    there would bring them back.
+    """
+    identifier = ".".join(table.name())
+    if table.metadata.snapshot_by_id(snapshot_id) is None:
+        return f"{identifier} no longer holds snapshot {snapshot_id} (expired by snapshot expiry)"
+    erased = []
+    for snapshot in lineage(table.metadata):
+        if snapshot.snapshot_id == snapshot_id:
+            break
+        summary = summary_of(snapshot)
+        if K.PRIVACY_DELETED_RECORDS in summary:
+            erased.append(summary.get(K.PRIVACY_REQUEST_ID) or f"in snapshot {snapshot.snapshot_id}")
+    if erased:
+        return (f"privacy delete {', '.join(reversed(erased))} on {identifier} ran after snapshot {snapshot_id}: "
+                "reading it would bring erased rows back")
+    return None
+
+
 def read_base(
     catalog: Catalog,
     name: str,
@@ -295,13 +319,19 @@ def read_base(
     include_deleted: bool = False,
     row_filter: str | BooleanExpression = AlwaysTrue(),
     snapshot_id: int | None = None,
+    selected_fields: tuple[str, ...] = ("*",),
 ) -> pa.Table:
-    """The current rows of base.<name> (tombstones and the `_deleted` column hidden unless include_deleted).
+    """The rows of base.<name>, now or at `snapshot_id` (tombstones and `_deleted` hidden unless include_deleted).
 
-    `row_filter` is a PyIceberg filter, e.g. on `_event_time` for one hour.
+    `row_filter` is a PyIceberg filter, e.g. on `_event_time` for one hour. A snapshot that may not
+    be read (snapshot_unavailable_reason) raises SnapshotUnavailable with the reason.
     """
     table = load_existing_table(catalog, f"base.{name}", f"run `partfin upsert --table {name}` first")
-    data = table.scan(row_filter=row_filter, snapshot_id=snapshot_id).to_arrow()
+    reason = snapshot_unavailable_reason(table, snapshot_id) if snapshot_id is not None else None
+    if reason:
+        raise SnapshotUnavailable(reason)
+    fields = selected_fields if include_deleted or "*" in selected_fields else (*selected_fields, DELETED)
+    data = table.scan(row_filter=row_filter, snapshot_id=snapshot_id, selected_fields=fields).to_arrow()
     if include_deleted:
         return data
     return data.filter(pc.invert(data.column(DELETED))).drop_columns([DELETED])

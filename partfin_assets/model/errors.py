@@ -24,6 +24,10 @@ class SourceError(PartfinError, ValueError):
     """A CDC source that cannot be read as configured (a missing file, a declaration its data contradicts)."""
 
 
+class SnapshotUnavailable(PartfinError, LookupError):
+    """A table cannot be read as of the snapshot asked for: it expired, or a privacy delete ran after it."""
+
+
 def first_line(text: str) -> str:
     """The first line of a message ('' if it has none): how a foreign error is quoted in a one-line message."""
     lines = text.strip().splitlines()

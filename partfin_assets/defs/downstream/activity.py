@@ -2,30 +2,41 @@
 
 Owned by the analytics team. Partition H reads the base rows whose event time falls in
 [H, H+1h) and writes per-5-minute counts to $PARTFIN_HOME/activity/<table>/<H>.parquet.
-It runs once per hour, requested by the finalization sensor when H is final; a manual
-run of a hour that is not final yet fails at once unless run config sets `force: true`.
+It runs once per hour, requested by the finalization sensor when H is final, and again when
+late data for H arrived (an amendment). It reads base at the snapshot H's newest finalization
+event names (finalization/read_points.py), so a retry or a later run gives the same result.
+A manual run of a hour that is not final yet, or whose snapshot expired or predates a privacy
+delete, fails at once unless run config sets `force: true` (then it reads the current base).
 """
 
+
+import dataclasses
 
 import polars as pl
 from dagster import AssetExecutionContext, Failure, MaterializeResult, asset, define_asset_job, in_process_executor
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 
 from partfin_assets.defs.force import ForceConfig, refuse_unless_forced
+from partfin_assets.defs.finalization.sensor import newest_finalization_event
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key, is_finalized, not_finalized_reason
-from partfin_assets.iceberg.history import watermark_of
-from partfin_assets.model import summary_keys as K
+from partfin_assets.finalization.read_points import BASE_SNAPSHOT_TAG, ReadPoint, base_position, read_point, read_tags
+from partfin_assets.iceberg.tables import read_base, snapshot_unavailable_reason
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.testing.faults import fail_once
 
 
 class ActivityConfig(ForceConfig):
-    """force: materialize even though the hour is not finalized yet (the result may change)."""
+    """force: materialize even though the hour is not finalized yet, or its finalization snapshot expired or
+    predates a privacy delete (reads the current base: the result may change)."""
 
 
 class NotFinalized(Failure):
+    pass
+
+
+class SnapshotUnusable(Failure):
     pass
 
 
@@ -46,17 +57,30 @@ def build_activity_asset(table: PartfinTable):
         partition_key = context.partition_key
         hour = hour_from_key(partition_key)
         iceberg = catalog.load()
-        base = iceberg.load_table(f"base.{name}")  # one metadata version: watermark and rows agree
-        watermark = watermark_of(base.properties)
+        base = iceberg.load_table(f"base.{name}")
+        point = read_point(context.run.tags, newest_finalization_event(context.instance, table.finalized_key, partition_key))
+        if point.snapshot_id is None:  # no finalization event: the current snapshot of this one metadata version
+            point = dataclasses.replace(point, snapshot_id=base.current_snapshot().snapshot_id if base.current_snapshot() else None)
+        unavailable = snapshot_unavailable_reason(base, point.snapshot_id) if point.snapshot_id is not None else None
+        if unavailable:
+            refuse_unless_forced(config, f"hour {iso_z(hour)} reads the base snapshot its {point.origin} names, but {unavailable}; "
+                                 f"forced, the run reads the current base.{name} (its rows of the hour may differ)",
+                                 table.activity_key, SnapshotUnusable)
+            point = ReadPoint(base.current_snapshot().snapshot_id, f"current snapshot (forced: {point.snapshot_id} unavailable)")
+        position = base_position(iceberg, base, point.snapshot_id)
+        watermark = position.watermark_us
         refusal = not_finalized_reason(hour, watermark, f"base.{name}")
         refuse_unless_forced(config, refusal, table.activity_key, NotFinalized)
+        if point.snapshot_id is not None and BASE_SNAPSHOT_TAG not in context.run.tags:
+            # pinned: a retry of this run keeps its tags, so it reads this snapshot too
+            context.instance.add_run_tags(context.run.run_id, read_tags(point.snapshot_id, amendment=point.amendment))
         home = catalog.config().home
         fail_once(name, partition_key, home)
 
-        rows = base.scan(
+        rows = read_base(
+            iceberg, name, include_deleted=True, snapshot_id=point.snapshot_id, selected_fields=("_event_time", "_deleted"),
             row_filter=And(GreaterThanOrEqual("_event_time", hour), LessThan("_event_time", hour + US_PER_HOUR)),
-            selected_fields=("_event_time", "_deleted"),
-        ).to_arrow()
+        )
         frame = pl.from_arrow(rows)
         assert isinstance(frame, pl.DataFrame)
         buckets = (
@@ -74,12 +98,6 @@ def build_activity_asset(table: PartfinTable):
         path = out_dir / f"{partition_key.replace(':', '')}.parquet"
         buckets.write_parquet(path)
 
-        source_snapshot = base.properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
-        cdc_sequence = None
-        if source_snapshot:
-            cdc = iceberg.load_table(f"cdc.{name}")
-            snapshot = cdc.metadata.snapshot_by_id(int(source_snapshot))
-            cdc_sequence = snapshot.sequence_number if snapshot else None
         live = int(buckets["live"].sum()) if buckets.height else 0
         deleted = int(buckets["deleted"].sum()) if buckets.height else 0
         return MaterializeResult(
@@ -91,10 +109,11 @@ def build_activity_asset(table: PartfinTable):
                     "deleted_rows": deleted,
                     "watermark": iso_z(watermark) if watermark is not None else None,
                     "finalized": is_finalized(hour, watermark),
-                    "forced": bool(config.force and not is_finalized(hour, watermark)),
-                    "base_snapshot_id": base.current_snapshot().snapshot_id if base.current_snapshot() else None,
-                    "cdc_snapshot_id": int(source_snapshot) if source_snapshot else None,
-                    "cdc_sequence_number": cdc_sequence,
+                    "forced": bool(config.force and (unavailable or not is_finalized(hour, watermark))),
+                    "base_snapshot_id": point.snapshot_id,
+                    "base_snapshot_origin": point.origin,
+                    "cdc_snapshot_id": position.cdc_snapshot_id,
+                    "cdc_sequence_number": position.cdc_sequence_number,
                     "path": str(path),
                 }
             

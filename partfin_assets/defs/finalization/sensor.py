@@ -1,23 +1,31 @@
 """Exactly once per finalized hour: the watermark-driven sensor and the runless `finalized/<table>` event.
 
-Each tick reads one thing from Iceberg, the `partfin.watermark` property of base.<table>
-(table metadata only), and walks the hours from its cursor up to that watermark in order:
+Each tick reads base.<table>'s metadata (its `partfin.watermark` property and current snapshot) and
+walks the hours from its cursor up to that watermark in order:
 
-- a RunRequest per newly finalized hour for the downstream job, run_key `<table>:<hour>`:
-  the cursor makes each hour come up once, the run_key makes the daemon drop a re-request
-  if a tick dies after submitting but before storing its cursor;
-- a runless AssetMaterialization of `finalized/<table>`, partition = the hour, for other
-  teams' sensors; emitted only for hours after the newest one already recorded, so a
-  repeated tick does not emit it twice.
+- a RunRequest per newly finalized hour for the downstream job, run_key `<table>:<hour>`, tagged
+  with the base snapshot the run reads (finalization/read_points.py): the cursor makes each hour
+  come up once, the run_key makes the daemon drop a re-request if a tick dies after submitting but
+  before storing its cursor;
+- a runless AssetMaterialization of `finalized/<table>`, partition = the hour, naming that base
+  snapshot, for other teams' sensors; emitted only for hours not recorded yet, so a repeated tick
+  does not emit it twice.
 
-The cursor is the first hour not yet handled; with the daemon down nothing is lost: the
-next tick walks every hour that finalized meanwhile (at most `max_hours_per_tick` per tick).
+When base merged new cdc commits since the last tick, the late-data ledger says whether late
+records reached hours already requested; each such hour gets an *amendment* event (`amendment:
+true`, `late_records`, the base snapshot that carries them) and a re-run, run_key
+`<table>:<hour>:amendment:<base snapshot id>`.
+
+The cursor is the first hour not yet handled and the cdc sequence number base had merged; with the
+daemon down nothing is lost: the next tick walks every hour that finalized meanwhile (at most
+`MAX_HOURS_PER_TICK` per tick) and every late record merged meanwhile.
 """
 
 
 from dagster import (
     AssetKey,
     AssetMaterialization,
+    AssetRecordsFilter,
     AssetSpec,
     RunRequest,
     SensorEvaluationContext,
@@ -29,6 +37,8 @@ from dagster import (
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
+from partfin_assets.finalization.late_data import LateHour, late_data
+from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.model import summary_keys as K
@@ -63,11 +73,27 @@ def first_data_hour(iceberg, table: PartfinTable) -> int | None:
     return min(hours) * US_PER_HOUR if hours else None
 
 
-def last_emitted_hour(instance, key: AssetKey) -> int | None:
-    event = instance.get_latest_materialization_event(key)
-    if event is None or event.dagster_event is None or event.dagster_event.partition is None:
+def newest_finalization_event(instance, key: AssetKey, partition_key: str) -> dict | None:
+    """Metadata values of the newest `finalized/<table>` event (finalization or amendment) of one hour."""
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[partition_key]), limit=1).records
+    if not records or records[0].event_log_entry.asset_materialization is None:
         return None
-    return hour_from_key(event.dagster_event.partition)
+    return {k: v.value for k, v in records[0].event_log_entry.asset_materialization.metadata.items()}
+
+
+def recorded_partitions(instance, key: AssetKey, partition_keys: list[str]) -> set[str]:
+    """Which of these hours already have a `finalized/<table>` event (reads only their events)."""
+    found: set[str] = set()
+    cursor = None
+    while partition_keys:
+        result = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=key, asset_partitions=partition_keys), limit=MAX_HOURS_PER_TICK, cursor=cursor
+        )
+        found |= {r.partition_key for r in result.records if r.partition_key is not None}
+        if not result.has_more:
+            break
+        cursor = result.cursor
+    return found
 
 
 def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable, iceberg_resource: IcebergCatalogResource, job_name: str | None = None):
@@ -78,6 +104,7 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
     watermark = watermark_of(base.properties)
     if watermark is None:
         return SkipReason(f"base.{table.name} has no {K.PROP_WATERMARK} yet")
+    position = base_position(iceberg, base)
     cursor = FinalizationCursor.decode(context.cursor)
     if cursor is None:
         first = first_data_hour(iceberg, table)
@@ -85,7 +112,8 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
             return SkipReason(f"cdc.{table.name} holds no data yet")
         cursor = FinalizationCursor(max(first, table.start_us))
     # hours before the partitions' start date (moved later by PARTFIN_PARTITIONS_START) are not partitions
-    cursor = FinalizationCursor(max(cursor.next_hour_us, table.start_us))
+    cursor = FinalizationCursor(max(cursor.next_hour_us, table.start_us), cursor.merged_sequence)
+    amended = late_hours_to_amend(context, table, iceberg, cursor, position)
     # Only hours that exist as partitions: a watermark past the newest one (a table written before
     # partfin capped it at the commit clock, or clocks that disagree) must not fail the whole tick
     # with DagsterUnknownPartitionError and starve the valid hours; later hours come once they exist.
@@ -97,44 +125,61 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
             "hours after it are requested once they exist"
         )
     hours = newly_finalized(cursor.next_hour_us, reachable, MAX_HOURS_PER_TICK)
-    if not hours:
+    merged = position.cdc_sequence_number if position.cdc_sequence_number is not None else cursor.merged_sequence
+    next_cursor = FinalizationCursor(hours[-1] + US_PER_HOUR if hours else cursor.next_hour_us, merged)
+    if not hours and not amended:
         return SensorResult(
             skip_reason=SkipReason(f"no new hour finalized: base watermark {iso_z(watermark)}, next hour {iso_z(cursor.next_hour_us)}"),
-            cursor=cursor.encode(),
+            cursor=next_cursor.encode(),
         )
-    emitted = last_emitted_hour(context.instance, table.finalized_key)
-    source_snapshot = base.properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
-    base_snapshot = base.current_snapshot()
+    # a repeated tick (cursor lost) must not record an hour's finalization twice
+    recorded = recorded_partitions(context.instance, table.finalized_key, [hour_key(h) for h in hours])
     run_requests = []
     events = []
-    for hour in hours:
+    for hour, late in [*amended.items(), *((h, None) for h in hours)]:
         key = hour_key(hour)
+        kind = "amendment" if late is not None else "finalization"
         run_requests.append(
             RunRequest(
-                run_key=f"{table.name}:{key}",
+                # an amendment is a new run of the hour: a run_key of its own, per base snapshot read
+                run_key=f"{table.name}:{key}" + (f":amendment:{position.snapshot_id}" if late is not None else ""),
                 partition_key=key,
-                tags={"partfin/table": table.name, "partfin/hour": iso_z(hour), "dagster/max_retries": "2"},
+                tags={"partfin/table": table.name, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
+                      "partfin/downstream-hour": f"{table.name}:{key}",  # dagster.yaml: one run of an hour at a time
+                      **read_tags(position.snapshot_id, amendment=late is not None)},
             )
         )
-        if emitted is None or hour > emitted:
-            events.append(
-                AssetMaterialization(
-                    asset_key=table.finalized_key,
-                    partition=key,
-                    description=f"hour {iso_z(hour)} of base.{table.name} is final (watermark {iso_z(watermark)})",
-                    metadata=
-                        {
-                            "hour": iso_z(hour),
-                            "watermark": iso_z(watermark),
-                            "base_snapshot_id": base_snapshot.snapshot_id if base_snapshot else None,
-                            "cdc_snapshot_id": int(source_snapshot) if source_snapshot else None,
-                        }
-                    ,
-                )
+        if late is None and key in recorded:
+            continue
+        description = (f"{late.records} late record(s) reached hour {iso_z(hour)} of base.{table.name} after it was final"
+                       if late is not None else f"hour {iso_z(hour)} of base.{table.name} is final")
+        events.append(
+            AssetMaterialization(
+                asset_key=table.finalized_key,
+                partition=key,
+                description=f"{description} (watermark {iso_z(watermark)}; {kind} reads base snapshot {position.snapshot_id})",
+                metadata=finalization_metadata(hour, watermark, position, late),
             )
-    next_cursor = FinalizationCursor(hours[-1] + US_PER_HOUR)
-    context.log.info(f"{table.name}: {len(hours)} hour(s) finalized up to {iso_z(floor_hour_us(watermark))}")
+        )
+    if amended:
+        context.log.info(f"{table.name}: late data in {len(amended)} final hour(s): re-runs requested")
+    if hours:
+        context.log.info(f"{table.name}: {len(hours)} hour(s) finalized up to {iso_z(floor_hour_us(watermark))}")
     return SensorResult(run_requests=run_requests, asset_events=events, cursor=next_cursor.encode())
+
+
+def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: FinalizationCursor, position: BasePosition) -> dict[int, LateHour]:
+    """Hours already requested whose late records base merged since the last tick (read from the late-data ledger
+    only when base merged new cdc commits), minus those the hour's newest event already saw."""
+    if cursor.merged_sequence is None or position.cdc_sequence_number is None or position.cdc_sequence_number <= cursor.merged_sequence:
+        return {}
+    late = late_data(iceberg, f"cdc.{table.name}", after_sequence=cursor.merged_sequence, up_to_sequence=position.cdc_sequence_number)
+    handled = [hour for hour in late if table.start_us <= hour < cursor.next_hour_us]
+    seen = {}
+    for hour in handled:
+        event = newest_finalization_event(context.instance, table.finalized_key, hour_key(hour))
+        seen[hour] = event.get("cdc_sequence_number") if event else None
+    return amendments(late, seen)
 
 
 def build_finalization_sensor(table: PartfinTable, downstream_job):
