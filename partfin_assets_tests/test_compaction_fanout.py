@@ -85,3 +85,42 @@ def test_fanned_out_compaction_folds_every_bucket_in_one_commit(tmp_path: Path, 
     ok, steps = run_compaction(instance, tmp_path / "partfin", max_groups=2)  # nothing left: no step, no commit
     assert ok and not [s for s in steps if s.startswith("rewrite_orders")]
     assert len(h.base().metadata.snapshots) == snapshots + 1
+
+
+def test_a_compaction_that_loses_the_race_commits_nothing_and_leaves_no_files(tmp_path: Path):
+    """What the commit step does after an upsert landed between the plan step and it: conflict, every group's files gone."""
+    from partfin_assets.jobs.compaction import commit_compaction, plan_compaction_job, rewrite_partition
+    from partfin_assets.jobs.conflicts import CommitConflictError
+    from partfin_assets.jobs.job import Job, StagedFiles
+    from partfin_assets.model.summary_keys import JobKind
+
+    h = Harness(tmp_path / "partfin")
+    ensure_base_table(h.catalog, SPEC, buckets=2)
+    rng = np.random.default_rng(12)
+    changes = random_changes(rng, 300, 1, 100, 0)
+    h.write(changes)
+    run_upsert(h.catalog, "orders")
+    more = random_changes(rng, 300, 1000, 100, 60)
+    h.write(more)
+    run_upsert(h.catalog, "orders")  # delete files in both buckets
+
+    started = Job.start(h.catalog, "base.orders", JobKind.MERGE)
+    plan = plan_compaction_job(started)
+    assert len(plan.rewrites) == 2
+    staged = [StagedFiles(h.catalog.load_table("base.orders")) for _ in plan.rewrites]  # one per step
+    rewritten = [rewrite_partition(started.table, r, s, plan.sort_by, plan.target_file_size_bytes) for r, s in zip(plan.rewrites, staged)]
+    late = random_changes(rng, 50, 5000, 100, 120)
+    h.write(late)
+    run_upsert(h.catalog, "orders")  # lands first, in both buckets
+    winner = h.base().current_snapshot().snapshot_id
+
+    resumed = Job.resume(h.catalog, "base.orders", JobKind.MERGE, plan.start)
+    with pytest.raises(CommitConflictError), resumed:
+        resumed.adopt(f for r in rewritten for f in r.added)
+        commit_compaction(resumed, plan, rewritten)
+    base = h.base()
+    assert base.current_snapshot().snapshot_id == winner
+    for s in staged:
+        for path in s.written:
+            assert not Path(path.removeprefix("file://")).exists()
+    assert h.live() == reference(changes + more + late)
