@@ -27,14 +27,15 @@ from pyiceberg.manifest import DataFileContent, ManifestContent
 
 from partfin_assets.iceberg.files import data_files, position_delete_files, read_files
 from partfin_assets.iceberg.position_deletes import kept_row_indices, pyiceberg_kept_row_indices
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, read_base
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
 from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import remove_orphan_files
 from partfin_assets.jobs.privacy import privacy_delete
 from partfin_assets.jobs.upsert import run_upsert
+from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES
 from partfin_assets.model.timeutil import US_PER_HOUR, to_us
-from partfin_assets_tests.test_upsert import T0, Harness
+from partfin_assets_tests.test_upsert import SPEC, T0, Harness
 from partfin_assets_tests.test_upsert_crash import random_changes
 from partfin_assets_tests.test_upsert_properties import reference
 
@@ -115,7 +116,8 @@ def test_small_files_of_a_bucket_are_folded_as_they_pile_up(tmp_path: Path):
     per_bucket: dict[tuple, int] = {}
     for f in data_files(base, base.current_snapshot()):
         per_bucket[tuple(f.partition)] = per_bucket.get(tuple(f.partition), 0) + 1
-    assert max(per_bucket.values()) <= 5  # max_data_files (4) + the new version file of the last run
+    # the new versions are folded with the small files: the largest file and one of everything newer
+    assert max(per_bucket.values()) <= DEFAULT_MAX_DATA_FILES == 2
     assert h.live() == reference(changes)
     assert plain_pyiceberg_rows(tmp_path) == all_rows(h)
 
@@ -229,4 +231,36 @@ def test_lookup_columns_are_delta_encoded_and_outside_files_are_still_searched(t
     ids = read_base(h.catalog, "orders", include_deleted=True).column("id").to_pylist()
     assert len(ids) == len(set(ids)), "every version of a changed key is replaced"
     assert h.live() == reference(changes + newer)
+    assert plain_pyiceberg_rows(tmp_path) == all_rows(h)
+
+
+def test_old_versions_are_found_across_row_groups_with_and_without_hits(tmp_path: Path):
+    """Files of many small row groups: the lookup reads the ordering columns only of row groups
+    holding a changed key and skips `_deleted` where statistics show it constant; the rows stay the reference's."""
+    h = Harness(tmp_path)
+    ensure_base_table(h.catalog, SPEC, buckets=2)
+    with h.base().transaction() as tx:
+        tx.set_properties({"write.parquet.row-group-limit": "8"})
+    # a first load without deletes (its files have no tombstones), then small random rounds with deletes
+    changes: list = [(i, "c", 0, i, float(i % 89)) for i in range(1, 201)]
+    h.write(changes)
+    h.upsert()
+    rng = np.random.default_rng(21)
+    seq = 1000
+    for round_ in range(1, 4):  # 20 changes each: most row groups hold no changed key
+        batch = random_changes(rng, 20, seq, 200, 60 * round_)
+        seq += len(batch)
+        changes += batch
+        h.write(batch)
+        h.upsert()
+    base = h.base()
+    groups, constant_deleted = [], 0
+    for f in data_files(base, base.current_snapshot()):
+        with base.io.new_input(f.file_path).open() as stream:
+            groups.append(pq.ParquetFile(stream).metadata.num_row_groups)
+        field_id = base.schema().find_field(DELETED).field_id
+        constant_deleted += f.lower_bounds[field_id] == f.upper_bounds[field_id]
+    assert max(groups) > 3, groups
+    assert 0 < constant_deleted < len(groups), "files with and without tombstones"
+    assert h.live() == reference(changes)
     assert plain_pyiceberg_rows(tmp_path) == all_rows(h)

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.transforms import HourTransform
 
@@ -36,7 +37,7 @@ from partfin_assets.iceberg.files import hour_partition, live_files, partition_p
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
-from partfin_assets.jobs.job import Hook, Job
+from partfin_assets.jobs.job import Hook, Job, JobStart, StagedFiles
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import to_us
@@ -118,6 +119,114 @@ def plan_compaction(
     return out
 
 
+@dataclass(frozen=True)
+class PartitionRewrite:
+    """One partition's share of a compaction (picklable: a fanned-out run hands it to a step)."""
+
+    partition: str
+    files: list[DataFile]  # the data files to rewrite
+    deletes: list[DataFile]  # the partition's position-delete files, folded in
+    files_before: int  # live data files of the partition at the start snapshot
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    """What one compaction job rewrites, as read at its start snapshot (picklable)."""
+
+    identifier: str
+    start: JobStart
+    rewrites: list[PartitionRewrite]
+    sort_by: str | None
+    target_file_size_bytes: int
+    skipped_not_finalized: list[str]
+
+
+@dataclass(frozen=True)
+class RewrittenPartition:
+    """A partition rewritten (files written, not committed)."""
+
+    stats: PartitionCompaction
+    removed: list[DataFile]
+    added: list[DataFile]
+
+
+def plan_compaction_job(
+    job: Job,
+    *,
+    partitions: Iterable[str] | None = None,
+    hours: Iterable[int] | None = None,
+    target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE,
+    min_input_files: int = 2,
+    finalized_only: bool = True,
+    sort_by: str | None = None,
+) -> CompactionPlan:
+    """The partitions a MERGE job (started on the table) rewrites; see `compact`."""
+    table = job.table
+    if any(ledger_entry(s) is not None for s in table.metadata.snapshots):  # a cdc table: its ledger first
+        reconcile(job.catalog, table)
+    wanted: set[str] | None = None
+    if partitions is not None or hours is not None:
+        wanted = set(partitions or ())
+        wanted |= {hour_partition(table.metadata, h) for h in hours or ()}
+    files = live_files(table, job.start_snapshot_id, wanted)
+    skipped: list[str] = []
+    if finalized_only:
+        watermark = watermark_of(table.properties)
+        for partition in list(files):
+            hour = _hour_of_partition(table, partition)
+            if hour is None:
+                continue
+            if not is_finalized(hour, watermark):
+                skipped.append(partition)
+                del files[partition]
+    deletes: dict[str, list[DataFile]] = {}
+    for delete_file in position_delete_files(table, table.current_snapshot()):
+        deletes.setdefault(partition_path(table.metadata, delete_file), []).append(delete_file)
+    plan = plan_compaction(files, target_file_size_bytes, min_input_files, deletes)
+    rewrites = [PartitionRewrite(p, small, deletes.get(p, []), len(files[p])) for p, small in sorted(plan.items())]
+    return CompactionPlan(job.identifier, job.started, rewrites, sort_by or key_column(table), target_file_size_bytes, skipped)
+
+
+def rewrite_partition(table: Table, rewrite: PartitionRewrite, staged: StagedFiles, sort_by: str | None, target_file_size_bytes: int) -> RewrittenPartition:
+    """Rewrite one partition's files (deletes applied, sorted by `sort_by`) into files near the target size."""
+    small, folded = rewrite.files, rewrite.deletes
+    rows = read_files(table, small, deletes=folded)
+    if sort_by is not None:
+        rows = rows.sort_by(sort_by)
+    # PyIceberg bin-packs by in-memory (Arrow) size: scale the target by the input's
+    # Arrow-to-Parquet ratio so that the files on disk come out near the target size.
+    on_disk = max(1, sum(f.file_size_in_bytes for f in small))
+    write_target = max(1, int(target_file_size_bytes * rows.nbytes / on_disk))
+    new_files = staged.write(rows, target_file_size_bytes=write_target)
+    gone = positions_by_file(read_positions(table.io, folded))
+    records_in = sum(f.record_count - len(gone.get(f.file_path, ())) for f in small)
+    records_out = sum(f.record_count for f in new_files)
+    if records_in != records_out or rows.num_rows != records_in:
+        raise RuntimeError(f"{table.name()} {rewrite.partition}: compaction read {rows.num_rows} of {records_in} records, wrote {records_out}")
+    stats = PartitionCompaction(
+        rewrite.partition, rewrite.files_before, rewrite.files_before - len(small) + len(new_files), len(small),
+        sum(f.file_size_in_bytes for f in small), sum(f.file_size_in_bytes for f in new_files), records_in,
+    )
+    return RewrittenPartition(stats, small + folded, new_files)
+
+
+def commit_compaction(job: Job, plan: CompactionPlan, rewritten: list[RewrittenPartition]) -> CompactionResult:
+    """One MERGE commit of every rewritten partition (CommitConflictError if a commit since the start touched one)."""
+    result = CompactionResult(plan.identifier, job.job_id, None, skipped_not_finalized=list(plan.skipped_not_finalized))
+    if not rewritten:
+        job.abort()
+        return result
+    result.partitions = sorted((r.stats for r in rewritten), key=lambda p: p.partition)
+    summary = {
+        K.COMPACTION_FILES_BEFORE: str(sum(p.files_before for p in result.partitions)),
+        K.COMPACTION_FILES_AFTER: str(sum(p.files_after for p in result.partitions)),
+    }
+    committed = job.commit_replace([f for r in rewritten for f in r.removed], [f for r in rewritten for f in r.added], summary)
+    result.snapshot_id = committed.snapshot_id
+    log.info("%s", result.describe())
+    return result
+
+
 def compact(
     catalog: Catalog,
     identifier: str,
@@ -137,65 +246,13 @@ def compact(
     partitions looked at; by default all. `finalized_only` (hour-partitioned tables with a
     watermark) keeps only hours with hour + 1h <= partfin.watermark at the start snapshot.
     Raises CommitConflictError if a commit after the start touched a rewritten partition.
+    The partitions are rewritten in turn here; `compact_<table>_fanout` rewrites them as steps.
     """
     with Job.start(catalog, identifier, JobKind.MERGE, job_id=job_id, before_commit=before_commit) as job:
-        table = job.table
-        if any(ledger_entry(s) is not None for s in table.metadata.snapshots):  # a cdc table: its ledger first
-            reconcile(catalog, table)
-        wanted: set[str] | None = None
-        if partitions is not None or hours is not None:
-            wanted = set(partitions or ())
-            wanted |= {hour_partition(table.metadata, h) for h in hours or ()}
-        files = live_files(table, job.start_snapshot_id, wanted)
-        sort_by = sort_by or key_column(table)
-        result = CompactionResult(identifier, job.job_id, None)
-        if finalized_only:
-            watermark = watermark_of(table.properties)
-            for partition in list(files):
-                hour = _hour_of_partition(table, partition)
-                if hour is None:
-                    continue
-                if not is_finalized(hour, watermark):
-                    result.skipped_not_finalized.append(partition)
-                    del files[partition]
-        deletes: dict[str, list[DataFile]] = {}
-        for delete_file in position_delete_files(table, table.current_snapshot()):
-            deletes.setdefault(partition_path(table.metadata, delete_file), []).append(delete_file)
-        plan = plan_compaction(files, target_file_size_bytes, min_input_files, deletes)
-        if not plan:
-            job.abort()
-            return result
-        removed: list[DataFile] = []
-        added: list[DataFile] = []
-        for partition, small in sorted(plan.items()):
-            folded = deletes.get(partition, [])
-            rows = read_files(table, small, deletes=folded)
-            if sort_by is not None:
-                rows = rows.sort_by(sort_by)
-            # PyIceberg bin-packs by in-memory (Arrow) size: scale the target by the input's
-            # Arrow-to-Parquet ratio so that the files on disk come out near the target size.
-            on_disk = max(1, sum(f.file_size_in_bytes for f in small))
-            write_target = max(1, int(target_file_size_bytes * rows.nbytes / on_disk))
-            new_files = job.write(rows, target_file_size_bytes=write_target)
-            gone = positions_by_file(read_positions(table.io, folded))
-            records_in = sum(f.record_count - len(gone.get(f.file_path, ())) for f in small)
-            records_out = sum(f.record_count for f in new_files)
-            if records_in != records_out or rows.num_rows != records_in:
-                raise RuntimeError(f"{identifier} {partition}: compaction read {rows.num_rows} of {records_in} records, wrote {records_out}")
-            removed += small + folded
-            added += new_files
-            result.partitions.append(
-                PartitionCompaction(
-                    partition, len(files[partition]), len(files[partition]) - len(small) + len(new_files), len(small),
-                    sum(f.file_size_in_bytes for f in small), sum(f.file_size_in_bytes for f in new_files), records_in,
-                )
-            )
-        summary = {
-            K.COMPACTION_FILES_BEFORE: str(sum(p.files_before for p in result.partitions)),
-            K.COMPACTION_FILES_AFTER: str(sum(p.files_after for p in result.partitions)),
-        }
-        committed = job.commit_replace(removed, added, summary)
-        result.snapshot_id = committed.snapshot_id
-        log.info("%s", result.describe())
-        return result
+        plan = plan_compaction_job(
+            job, partitions=partitions, hours=hours, target_file_size_bytes=target_file_size_bytes,
+            min_input_files=min_input_files, finalized_only=finalized_only, sort_by=sort_by,
+        )
+        rewritten = [rewrite_partition(job.table, r, job.staged, plan.sort_by, target_file_size_bytes) for r in plan.rewrites]
+        return commit_compaction(job, plan, rewritten)
 

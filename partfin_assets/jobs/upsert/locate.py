@@ -2,9 +2,11 @@
 
 Only the key columns and the ordering/tombstone columns of base.<table> are read, one row group
 at a time, and only from the data files of the changes' key group whose key bounds (manifest
-statistics) can hold one of the changed keys. Rows already removed by a position delete are not
-versions any more. Memory is bounded by the changes plus one row group; the cost is the key
-columns of the group's files, never whole rows.
+statistics) can hold one of the changed keys; the ordering/tombstone columns only of row groups
+holding a changed key, and not at all when the file's statistics show them constant (`_deleted`
+of a file without tombstones). Rows already removed by a position delete are not versions any
+more. Memory is bounded by the changes plus one row group; the cost is the key columns of the
+group's files, never whole rows.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import pyarrow.parquet as pq
 from pyiceberg.conversions import from_bytes
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
+from pyiceberg.types import BooleanType, DateType, IntegerType, LongType, TimestampType, TimestamptzType
 
 FILE = "__file"
 POS = "__pos"
+_EXACT_BOUNDS = (BooleanType, IntegerType, LongType, DateType, TimestampType, TimestamptzType)
 
 
 def candidate_files(table: Table, files: list[DataFile], keys: pl.DataFrame, key_column: str) -> list[DataFile]:
@@ -47,36 +51,62 @@ def candidate_files(table: Table, files: list[DataFile], keys: pl.DataFrame, key
     return out
 
 
-def _hits(rows: pa.Table, keys: pl.DataFrame, offset: int) -> pl.DataFrame | None:
-    """The rows (+ __pos, offset by `offset`) of one row group whose key is in `keys`.
+def _sorted_integer_keys(keys: pl.DataFrame) -> np.ndarray | None:
+    """The changed keys as a sorted unique int64 array, when the key is one integer column (binary search applies)."""
+    if len(keys.columns) == 1 and keys.dtypes[0].is_integer():
+        return np.unique(keys.get_column(keys.columns[0]).cast(pl.Int64).to_numpy())
+    return None
+
+
+def _hit_positions(keys_of_rows: pa.Table, keys: pl.DataFrame, sorted_keys: np.ndarray | None) -> np.ndarray:
+    """Row numbers (within `keys_of_rows`, one row group's key columns) whose key is in `keys`, ascending.
 
     A single integer key sorted in the file (partfin sorts every file it writes by key) is found
-    by binary search, and only the hit rows are taken: the cost is the decoding of the key
-    column, not a join over every row. Anything else (composite or non-integer keys, a file
-    written unsorted by another tool) is a hash semi-join.
+    by binary search: the cost is the decoding of the key column, not a join over every row.
+    Anything else (composite or non-integer keys, a file written unsorted by another tool) is a
+    hash semi-join.
     """
     key_columns = keys.columns
-    if len(key_columns) == 1 and pa.types.is_integer(rows.schema.field(key_columns[0]).type):
-        column = rows.column(key_columns[0])
+    if sorted_keys is not None and pa.types.is_integer(keys_of_rows.schema.field(key_columns[0]).type):
+        column = keys_of_rows.column(key_columns[0])
         if column.null_count == 0:
-            values = column.to_numpy().astype(np.int64, copy=False)
+            chunk = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            values = chunk.to_numpy(zero_copy_only=False)
             if values.size < 2 or bool(np.all(values[1:] >= values[:-1])):
-                wanted = np.unique(keys.get_column(key_columns[0]).cast(pl.Int64).to_numpy())
-                first = np.searchsorted(values, wanted, side="left")
-                last = np.searchsorted(values, wanted, side="right")
+                first = np.searchsorted(values, sorted_keys, side="left")
+                last = np.searchsorted(values, sorted_keys, side="right")
                 found = last > first
                 starts, stops = first[found], last[found]
-                if starts.size == 0:
-                    return None
                 # several rows of one key in a file (an outside append): every one of them
-                positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)]) if np.any(stops - starts > 1) else starts
-                frame = pl.from_arrow(rows.take(pa.array(positions)))
-                assert isinstance(frame, pl.DataFrame)
-                return frame.with_columns(pl.Series(POS, positions + offset, dtype=pl.Int64))
-    frame = pl.from_arrow(rows)
+                if np.any(stops - starts > 1):
+                    return np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)])
+                return starts
+    frame = pl.from_arrow(keys_of_rows)
     assert isinstance(frame, pl.DataFrame)
-    frame = frame.with_row_index(POS, offset=offset)
-    return frame.join(keys.cast({c: frame.schema[c] for c in key_columns}), on=key_columns, how="semi")
+    frame = frame.with_row_index(POS)
+    hits = frame.join(keys.cast({c: frame.schema[c] for c in key_columns}), on=key_columns, how="semi")
+    return np.sort(hits.get_column(POS).cast(pl.Int64).to_numpy())
+
+
+def _constant_columns(table: Table, data_file: DataFile, columns: list[str]) -> dict[str, object]:
+    """The columns whose every value in `data_file` is one known value, from its manifest statistics.
+
+    Only types whose bounds are exact (booleans, integers, dates, timestamps) and only when the
+    column has no nulls: `_deleted` of a file without tombstones is the common case. Such a column
+    is not decoded at all.
+    """
+    schema = table.metadata.schema()
+    out: dict[str, object] = {}
+    for name in columns:
+        field = schema.find_field(name)
+        if not isinstance(field.field_type, _EXACT_BOUNDS):
+            continue
+        lower = (data_file.lower_bounds or {}).get(field.field_id)
+        upper = (data_file.upper_bounds or {}).get(field.field_id)
+        nulls = (data_file.null_value_counts or {}).get(field.field_id)
+        if lower is not None and lower == upper and nulls == 0:
+            out[name] = from_bytes(field.field_type, lower)
+    return out
 
 
 def old_versions(
@@ -86,27 +116,44 @@ def old_versions(
     keys: pl.DataFrame,
     columns: list[str],
 ) -> pl.DataFrame:
-    """Live rows of `files` whose primary key is in `keys` (its columns): `columns` + __file + __pos."""
+    """Live rows of `files` whose primary key is in `keys` (its columns): `columns` + __file + __pos.
+
+    Per row group, the key columns are read first; the other columns only when the row group
+    holds a changed key, and then only the hit rows are kept. Columns the file's statistics show
+    to be constant are filled in, never read.
+    """
     schema = table.metadata.schema()
-    ids = {schema.find_field(c).field_id: c for c in columns}
+    arrow_schema = schema.select(*columns).as_arrow()
+    key_columns = keys.columns
+    sorted_keys = _sorted_integer_keys(keys)
     found = []
     for data_file in files:
+        constant = _constant_columns(table, data_file, [c for c in columns if c not in key_columns])
+        others = [c for c in columns if c not in key_columns and c not in constant]
         with table.io.new_input(data_file.file_path).open() as stream:
             parquet = pq.ParquetFile(stream)
             # columns by field id: the physical names are whatever the writer used
             physical = {int(f.metadata[b"PARQUET:field_id"]): f.name for f in parquet.schema_arrow if f.metadata and b"PARQUET:field_id" in f.metadata}
-            names = [physical[i] for i in ids]
-            renames = {physical[i]: c for i, c in ids.items()}
+            name_of = {c: physical[schema.find_field(c).field_id] for c in columns if c not in constant}
             offset = 0
             for group in range(parquet.metadata.num_row_groups):
                 # one row group at a time (files partfin writes have one per ~1M rows): bounded memory
-                rows = parquet.read_row_group(group, columns=names).rename_columns(renames)
-                hits = _hits(rows, keys, offset)
-                offset += rows.num_rows
-                if hits is not None and hits.height:
-                    found.append(hits.with_columns(pl.lit(data_file.file_path).alias(FILE)))
+                key_rows = parquet.read_row_group(group, columns=[name_of[c] for c in key_columns])
+                key_rows = key_rows.rename_columns(list(key_columns))
+                positions = _hit_positions(key_rows, keys, sorted_keys)
+                if positions.size:
+                    take = pa.array(positions)
+                    hits = {c: key_rows.column(c).take(take) for c in key_columns}
+                    if others:
+                        rest = parquet.read_row_group(group, columns=[name_of[c] for c in others]).rename_columns(others)
+                        hits |= {c: rest.column(c).take(take) for c in others}
+                    hits |= {c: pa.repeat(pa.scalar(v, arrow_schema.field(c).type), positions.size) for c, v in constant.items()}
+                    frame = pl.from_arrow(pa.table({c: hits[c] for c in columns}))
+                    assert isinstance(frame, pl.DataFrame)
+                    found.append(frame.with_columns(pl.Series(POS, positions + offset, dtype=pl.Int64), pl.lit(data_file.file_path).alias(FILE)))
+                offset += key_rows.num_rows
     if not found:
-        empty = pl.from_arrow(schema.select(*columns).as_arrow().empty_table())
+        empty = pl.from_arrow(arrow_schema.empty_table())
         assert isinstance(empty, pl.DataFrame)
         return empty.with_columns(pl.lit(None, pl.Int64).alias(POS), pl.lit(None, pl.String).alias(FILE))
     rows = pl.concat(found, how="vertical_relaxed").with_columns(pl.col(POS).cast(pl.Int64))

@@ -8,9 +8,10 @@ key (jobs/upsert/decode.py `newer_than_base`), then
   later cannot resurrect the row) as one data file per bucket, sorted by key;
 - delete the old versions by position: per bucket one position-delete file holding the bucket's
   earlier positions and the new ones, replacing the earlier file;
-- when a bucket has collected more than `max_data_files` data files, fold the small ones (every
-  file but the largest, with their deletes applied) into one: reads stay close to a compacted
-  table's between compactions, and the cost stays with the recent changes.
+- when a bucket would hold more than `max_data_files` data files (default 2), fold the small ones
+  (every file but the largest, with their deletes applied) and the new versions into one: reads
+  open at most two files per bucket between compactions, and the cost stays with the changes
+  since the last compaction.
 
 The result lists the files to add and remove; commit.py commits all groups at once.
 """
@@ -33,13 +34,13 @@ from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, bas
 from partfin_assets.jobs.job import StagedFiles
 from partfin_assets.jobs.upsert.decode import ORDER_COLUMNS, newer_than_base
 from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, old_versions
-from partfin_assets.jobs.upsert.plan import GroupFiles, UpsertPlan
+from partfin_assets.jobs.upsert.plan import GroupFiles, PartitionFiles, UpsertPlan
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR
 
 _CHG = "__chg"
 GROUP = "__group"
-DEFAULT_MAX_DATA_FILES = 4  # per bucket, before the upsert folds the small ones
+DEFAULT_MAX_DATA_FILES = 2  # per bucket after a run: its largest file and one file of everything newer
 
 
 @dataclass
@@ -65,16 +66,9 @@ class GroupMerge:
 
 def group_ids(table: Table, spec: TableSpec, groups: int, changes: pl.DataFrame) -> pl.Series:
     """The key group of each change: bucket(N, key) of base's current spec, mod G."""
-    partition = table.spec()
-    if groups == 1 or not partition.fields:
+    buckets = _buckets_of(table, changes.to_arrow()) if groups > 1 else None
+    if buckets is None:
         return pl.Series(GROUP, [0] * changes.height, dtype=pl.Int64)
-    field_ = partition.fields[0]
-    assert isinstance(field_.transform, BucketTransform)
-    column = table.schema().find_field(field_.source_id)
-    values = changes.get_column(column.name).to_arrow()
-    if pa.types.is_large_string(values.type):
-        values = values.cast(pa.string())
-    buckets = field_.transform.pyarrow_transform(column.field_type)(values)
     return (pl.Series(GROUP, buckets).cast(pl.Int64) % groups).alias(GROUP)
 
 
@@ -137,9 +131,8 @@ def merge_group(
 
     schema = table.schema().as_arrow()
     new_rows = taken.select([*pk, *[pl.col(c + _CHG).alias(c) for c in value_columns]]).sort(pk)
-    result.add += staged.write(new_rows.select(schema.names).to_arrow().cast(schema))
     replaced = old.join(taken.select(pk), on=pk, how="semi").select(FILE, POS)
-    _rewrite_deletes(table, files, deleted, replaced, staged, result, max_data_files)
+    _write_files(table, files, deleted, replaced, new_rows.select(schema.names).to_arrow().cast(schema), staged, result, max_data_files)
     return result
 
 
@@ -150,25 +143,36 @@ def _bucket_column(table: Table, pk: list[str]) -> str:
     return pk[0]
 
 
-def _rewrite_deletes(
+def _write_files(
     table: Table,
     files: GroupFiles,
     deleted: dict[str, np.ndarray],
     replaced: pl.DataFrame,
+    new_rows: pa.Table,
     staged: StagedFiles,
     result: GroupMerge,
     max_data_files: int,
 ) -> None:
-    """Per partition with new positions: fold small data files if due, and one delete file for what remains."""
+    """Per partition: the new versions, folded with the small files when due, and one delete file for what remains.
+
+    A partition that would hold more than `max_data_files` data files gets every file but its
+    largest (deletes applied) and its new versions written as one sorted file: with the default
+    of 2 a bucket is its largest file plus one file of everything newer, so readers open at most
+    two files per bucket between compactions, and the upsert rewrites only the changes since the
+    last compaction, never the table.
+    """
     new_positions = {path: np.unique(frame.get_column(POS).to_numpy()) for (path,), frame in replaced.partition_by(FILE, as_dict=True).items()}
+    new_bucket = _buckets_of(table, new_rows)
+    folded_in = np.zeros(new_rows.num_rows, dtype=bool)  # new versions written with a fold
     for part in files.partitions:
-        mine = [f for f in part.data if f.file_path in new_positions]
-        if not mine:
+        incoming = _rows_of_partition(table, part, new_bucket, new_rows.num_rows)
+        has_new = incoming is not None and bool(incoming.any())
+        if not has_new and not any(f.file_path in new_positions for f in part.data):
             continue
         positions = {f.file_path: _union(deleted.get(f.file_path), new_positions.get(f.file_path)) for f in part.data}
         live = list(part.data)
-        if len(part.data) > max_data_files:
-            folded = sorted(part.data, key=lambda f: f.file_size_in_bytes)[:-1]  # all but the largest
+        folded = sorted(part.data, key=lambda f: f.file_size_in_bytes)[:-1]  # all but the largest
+        if folded and len(part.data) + has_new > max_data_files:
             rows = read_files(table, folded, deletes=[])
             keep = np.ones(rows.num_rows, dtype=bool)
             offset = 0
@@ -178,9 +182,13 @@ def _rewrite_deletes(
                     keep[offset + gone] = False
                 offset += f.record_count
             survivors = rows.filter(pa.array(keep))
+            result.rows_folded += survivors.num_rows
+            if has_new:
+                assert incoming is not None
+                survivors = pa.concat_tables([survivors, new_rows.filter(pa.array(incoming))], promote_options="permissive")
+                folded_in |= incoming
             result.add += staged.write(_sorted(survivors, table))
             result.remove += folded
-            result.rows_folded += survivors.num_rows
             live = [f for f in part.data if f not in folded]
         remaining = [(path, positions[path]) for path in (f.file_path for f in live) if positions[path] is not None and positions[path].size]
         result.remove += part.deletes
@@ -192,6 +200,30 @@ def _rewrite_deletes(
                 }
             )
             result.add.append(staged.write_deletes(part.spec_id, part.partition, rows))
+    result.add += staged.write(new_rows.filter(pa.array(~folded_in)) if folded_in.any() else new_rows)
+
+
+def _buckets_of(table: Table, rows: pa.Table) -> np.ndarray | None:
+    """The bucket (partition value under base's current spec) of each row; None if the table is unpartitioned."""
+    partition = table.spec()
+    if not partition.fields:
+        return None
+    field_ = partition.fields[0]
+    assert isinstance(field_.transform, BucketTransform)
+    column = table.schema().find_field(field_.source_id)
+    values = rows.column(column.name)
+    if pa.types.is_large_string(values.type):
+        values = values.cast(pa.string())
+    return np.asarray(field_.transform.pyarrow_transform(column.field_type)(values).to_numpy(zero_copy_only=False))
+
+
+def _rows_of_partition(table: Table, part: PartitionFiles, new_bucket: np.ndarray | None, count: int) -> np.ndarray | None:
+    """Which of the `count` new versions land in `part` (a mask); None when the partition is of an older spec (none can)."""
+    if part.spec_id != table.metadata.default_spec_id:
+        return None
+    if new_bucket is None:  # unpartitioned: one partition holds everything
+        return np.ones(count, dtype=bool)
+    return new_bucket == part.partition[0]
 
 
 def _union(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
