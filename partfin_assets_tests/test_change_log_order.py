@@ -29,7 +29,6 @@ def ingest_and_upsert(home, source: str, *extra: str) -> None:
         assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §7: last-writer-wins orders by event time first")
 def test_file_position_orders_changes_when_the_source_clock_steps_back(tmp_path):
     """Order 1 is created at 10:00:05, then the source clock steps back 3 s and the next change of order 1 is
     stamped 10:00:02, a third (next run) 10:00:01. Before: base kept `created` for good (both later changes lost);
@@ -52,7 +51,6 @@ def test_file_position_orders_changes_when_the_source_clock_steps_back(tmp_path)
     assert second == {1: "shipped", 2: "paid"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 §7: last-writer-wins orders by event time first")
 @pytest.mark.timeout(300)
 def test_lsn_orders_changes_when_the_postgres_clock_steps_back(tmp_path):
     """A real PostgreSQL whose clock steps back 30 s between two updates of order 1 (commit timestamps go back,

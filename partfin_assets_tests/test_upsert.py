@@ -14,7 +14,7 @@ import pytest
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import summary_of, watermark_history
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, ensure_base_table, read_base
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import list_table_files, referenced_files
@@ -380,5 +380,5 @@ def test_ensure_base_table_layout(tmp_path: Path):
     catalog = load_partfin_catalog(tmp_path)
     table = ensure_base_table(catalog, SPEC, buckets=8)
     assert str(table.spec().fields[0].transform) == "bucket[8]"
-    assert [f.name for f in table.schema().fields] == ["id", "amount", "status", EVENT_TIME, SOURCE_SEQ, DELETED]
+    assert [f.name for f in table.schema().fields] == ["id", "amount", "status", EVENT_TIME, SOURCE_SEQ, DELETED, SOURCE_LOG, ORDER_TIME]
     assert ensure_base_table(catalog, SPEC).metadata.table_uuid == table.metadata.table_uuid

@@ -89,18 +89,23 @@ def old_versions(
     """Live rows of `files` whose primary key is in `keys` (its columns): `columns` + __file + __pos."""
     schema = table.metadata.schema()
     ids = {schema.find_field(c).field_id: c for c in columns}
+    arrow_schema = schema.select(*columns).as_arrow()
     found = []
     for data_file in files:
         with table.io.new_input(data_file.file_path).open() as stream:
             parquet = pq.ParquetFile(stream)
             # columns by field id: the physical names are whatever the writer used
             physical = {int(f.metadata[b"PARQUET:field_id"]): f.name for f in parquet.schema_arrow if f.metadata and b"PARQUET:field_id" in f.metadata}
-            names = [physical[i] for i in ids]
-            renames = {physical[i]: c for i, c in ids.items()}
+            names = [physical[i] for i in ids if i in physical]
+            renames = {physical[i]: c for i, c in ids.items() if i in physical}
+            absent = [c for i, c in ids.items() if i not in physical]  # added to the table after the file was written: null
             offset = 0
             for group in range(parquet.metadata.num_row_groups):
                 # one row group at a time (files partfin writes have one per ~1M rows): bounded memory
                 rows = parquet.read_row_group(group, columns=names).rename_columns(renames)
+                for c in absent:
+                    rows = rows.append_column(c, pa.nulls(rows.num_rows, arrow_schema.field(c).type))
+                rows = rows.select(columns)
                 hits = _hits(rows, keys, offset)
                 offset += rows.num_rows
                 if hits is not None and hits.height:
