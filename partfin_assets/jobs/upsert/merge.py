@@ -30,7 +30,7 @@ from pyiceberg.transforms import BucketTransform
 
 from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, ORDER_TIME, SOURCE_LOG, base_columns
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
 from partfin_assets.jobs.job import StagedFiles
 from partfin_assets.jobs.upsert.decode import ORDER_KEY, newer_than_base
 from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, old_versions
@@ -115,17 +115,19 @@ def merge_group(
     change_side = changes.select([*pk, *value_columns]).rename({c: c + _CHG for c in value_columns})
     change_side = change_side.cast({c: newest.schema[c] for c in pk}) if newest.height else change_side
     joined = change_side.join(newest.select([*pk, EVENT_TIME, *ORDER_KEY, DELETED]), on=pk, how="left")
-    # A change of the base row's log goes on from where that log stood: never ranked before the base row's order time.
+    # A change of the base row's log is older than it by position alone (a re-delivery), and a newer one goes on
+    # from where that log stood: never ranked before the base row's order time.
     same_log = (pl.col(SOURCE_LOG + _CHG) == pl.col(SOURCE_LOG)).fill_null(False)
     joined = joined.with_columns(
-        pl.when(same_log).then(pl.max_horizontal(ORDER_TIME + _CHG, ORDER_TIME)).otherwise(pl.col(ORDER_TIME + _CHG)).alias(ORDER_TIME + _CHG)
+        pl.when(same_log).then(pl.max_horizontal(ORDER_TIME + _CHG, ORDER_TIME)).otherwise(pl.col(ORDER_TIME + _CHG)).alias(ORDER_TIME + _CHG),
+        ~(same_log & (pl.col(SOURCE_SEQ + _CHG) <= pl.col(SOURCE_SEQ))).alias("__after_base_in_its_log"),
     )
-    # The key's newest change (one per log so far); then it against the base row.
-    joined = joined.sort([c + _CHG for c in ORDER_KEY], nulls_last=False).unique(subset=pk, keep="last")
+    # The key's newest change (one per log so far), those behind the base row in its own log ranked last; then it against the base row.
+    joined = joined.sort(["__after_base_in_its_log", *[c + _CHG for c in ORDER_KEY]], nulls_last=False).unique(subset=pk, keep="last")
     in_base = pl.col(EVENT_TIME).is_not_null()
     base_live = in_base & ~pl.col(DELETED).fill_null(True)
     change_delete = pl.col(DELETED + _CHG)
-    take = ~in_base | newer_than_base(_CHG).fill_null(False)
+    take = pl.col("__after_base_in_its_log") & (~in_base | newer_than_base(_CHG).fill_null(False))
     joined = joined.with_columns(take.alias("__take"), base_live.alias("__base_live"), change_delete.alias("__change_delete"))
     counts = joined.select(
         (pl.col("__take") & ~pl.col("__change_delete") & ~pl.col("__base_live")).sum().alias("inserted"),
