@@ -14,7 +14,7 @@ import pytest
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import summary_of, watermark_history
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, ensure_base_table, read_base
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, ensure_base_table, read_base
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import list_table_files, referenced_files
@@ -380,5 +380,36 @@ def test_ensure_base_table_layout(tmp_path: Path):
     catalog = load_partfin_catalog(tmp_path)
     table = ensure_base_table(catalog, SPEC, buckets=8)
     assert str(table.spec().fields[0].transform) == "bucket[8]"
-    assert [f.name for f in table.schema().fields] == ["id", "amount", "status", EVENT_TIME, SOURCE_SEQ, DELETED]
+    assert [f.name for f in table.schema().fields] == ["id", "amount", "status", EVENT_TIME, SOURCE_SEQ, DELETED, SOURCE_LOG, ORDER_TIME]
     assert ensure_base_table(catalog, SPEC).metadata.table_uuid == table.metadata.table_uuid
+
+
+def test_tables_from_before_change_logs_get_the_columns_and_rank_their_rows_by_event_time(h: Harness):
+    """A base table (and CDC table) written before partfin kept change logs: the next upsert adds `_source_log` /
+    `_order_time`; its old rows (no known log) rank by event time as before, and once a key's row came from a log,
+    that log's next change wins by position even when its clock stepped back."""
+    h.write([(1, "c", 30, 1, 1.0), (2, "c", 30, 2, 2.0)])
+    h.upsert()
+    with h.base().update_schema() as update:  # what a base table from before looks like
+        update.delete_column(SOURCE_LOG)
+        update.delete_column(ORDER_TIME)
+    h.write([(1, "u", 20, 3, 3.0)])  # the clock stepped back: against an old row it still ranks by event time
+    h.upsert()
+    assert {SOURCE_LOG, ORDER_TIME} <= {f.name for f in h.base().schema().fields}
+    assert h.live() == {1: (1.0, 1), 2: (2.0, 2)}
+    assert h.rows()[1][SOURCE_LOG] is None and h.rows()[1][ORDER_TIME] is None
+    h.write([(1, "u", 35, 4, 4.0)])  # newer by event time: the row now names its log
+    h.upsert()
+    assert h.rows()[1][SOURCE_LOG] == "orders-writer"
+    h.write([(1, "u", 10, 5, 5.0), (2, "u", 5, 6, 6.0)])  # the clock stepped back further: the log's order decides
+    h.upsert()
+    assert h.live() == {1: (5.0, 5), 2: (2.0, 2)}  # key 2's row is still from before: event time
+    assert h.rows()[1][ORDER_TIME] == T0 + timedelta(minutes=35) and h.rows()[1][EVENT_TIME] == T0 + timedelta(minutes=10)
+
+
+def test_a_cdc_table_from_before_change_logs_merges_as_unknown_logs(h: Harness):
+    h.write([(1, "c", 30, 1, 1.0)])
+    with h.cdc().update_schema() as update:  # a CDC table (and its files) from before `source_log`
+        update.delete_column("source_log")
+    h.upsert()
+    assert h.live() == {1: (1.0, 1)} and h.rows()[1][SOURCE_LOG] is None

@@ -118,7 +118,7 @@ def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instanc
     from partfin_assets.jobs.conflicts import CommitConflictError
     from partfin_assets.jobs.job import Job, StagedFiles
     from partfin_assets.jobs.upsert.commit import commit_merge
-    from partfin_assets.jobs.upsert.decode import decode_changes, winners
+    from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
     from partfin_assets.jobs.upsert.merge import merge_group, split_by_group
     from partfin_assets.jobs.upsert.plan import GroupFiles, plan_upsert
     from partfin_assets.iceberg.files import read_files
@@ -128,7 +128,7 @@ def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instanc
     ensure_base_table(catalog, SPEC)
     started = Job.start(catalog, "base.orders", JobKind.UPDATE_DELETE)
     plan = plan_upsert(catalog, SPEC, started.table)
-    by_group = split_by_group(plan, winners(SPEC, decode_changes(SPEC, read_files(plan.cdc, plan.cdc_files))[0]))
+    by_group = split_by_group(plan, latest_per_log(SPEC, decode_changes(SPEC, read_files(plan.cdc, plan.cdc_files))[0]))
     staged = StagedFiles(catalog.load_table("base.orders"))
     merges = [merge_group(started.table, SPEC, plan.layout.get(g, GroupFiles(g, [])), c, staged) for g, c in by_group.items()]
     run_upsert(catalog, "orders")  # wins the race

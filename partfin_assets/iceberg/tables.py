@@ -4,7 +4,8 @@
   `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason;
   `cdc.<table>__ledger`: the late-data ledger, per checkpoint and event hour (iceberg/ledger.py).
 - `base.<table>`: the current state: the declared typed columns plus `_event_time`,
-  `_source_seq` and `_deleted` (tombstone), partitioned `bucket(N, first primary-key column)`.
+  `_source_seq`, `_deleted` (tombstone), `_source_log` and `_order_time` (the version's place in
+  last-writer-wins, jobs/upsert/decode.py), partitioned `bucket(N, first primary-key column)`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CDC_SCHEMA = Schema(
     NestedField(4, "source_seq", LongType(), required=True),
     NestedField(5, "payload", StringType(), required=False),
     NestedField(6, "arrival_time", TimestamptzType(), required=False),  # source processing time; null: the commit's clock
+    NestedField(7, "source_log", StringType(), required=False),  # the change log source_seq is a position in; null: unknown
 )
 CDC_PARTITION_SPEC = PartitionSpec(
     PartitionField(source_id=3, field_id=1000, transform=HourTransform(), name="event_time_hour")
@@ -169,9 +171,16 @@ def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
 
 # Metadata columns of base.<table>.
 EVENT_TIME = "_event_time"  # event time of the change that wrote the row (its hour is the row's base partition)
-SOURCE_SEQ = "_source_seq"  # its source position: breaks event-time ties
+SOURCE_SEQ = "_source_seq"  # its position in its change log
 DELETED = "_deleted"  # tombstone: the winning change was a delete
-META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED)
+SOURCE_LOG = "_source_log"  # the change log it came from (cdc `source_log`); null: unknown (a row written before partfin kept it)
+ORDER_TIME = "_order_time"  # its event time as its log orders it: never before an earlier change of the key in that log; null: _event_time
+META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED, SOURCE_LOG, ORDER_TIME)
+# the ordering columns came later than the first base tables: nullable, added to an older table on its next upsert
+ORDER_FIELDS = Schema(
+    NestedField(1, SOURCE_LOG, StringType(), required=False),
+    NestedField(2, ORDER_TIME, TimestamptzType(), required=False),
+)
 
 
 DEFAULT_BUCKETS = 16
@@ -223,7 +232,7 @@ def base_columns(spec: TableSpec) -> dict[str, pa.DataType]:
 def base_schema(spec: TableSpec) -> Schema:
     columns = base_columns(spec)
     n = len(columns)
-    nested_ids = itertools.count(n + 4)  # after the columns and the three metadata columns
+    nested_ids = itertools.count(n + 4)  # after the columns and the first three metadata columns
     fields = [
         NestedField(i, name, _iceberg_type(t, lambda: next(nested_ids)), required=name in spec.primary_key)
         for i, (name, t) in enumerate(columns.items(), start=1)
@@ -233,6 +242,7 @@ def base_schema(spec: TableSpec) -> Schema:
         NestedField(n + 2, SOURCE_SEQ, LongType(), required=True),
         NestedField(n + 3, DELETED, BooleanType(), required=True),
     ]
+    fields += [NestedField(next(nested_ids), f.name, f.field_type, required=False) for f in ORDER_FIELDS.fields]
     ids = [f.field_id for f in fields if f.name in spec.primary_key]
     return Schema(*fields, identifier_field_ids=ids)
 
@@ -255,6 +265,7 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
     """Create base.<name> from the declaration if it does not exist; return it."""
     identifier = spec.base_identifier
     if catalog.table_exists(identifier):
+        _add_missing_columns(catalog, identifier, ORDER_FIELDS)
         return _with_delta_columns(catalog, catalog.load_table(identifier), spec)
     buckets = buckets or DEFAULT_BUCKETS
     if buckets < 1:
@@ -274,12 +285,13 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
 
 def lookup_columns(spec: TableSpec) -> list[str]:
     """The columns an upsert reads to find old versions: the primary key and the ordering columns (delta-encoded on write)."""
-    return [*spec.primary_key, EVENT_TIME, SOURCE_SEQ]
+    return [*spec.primary_key, EVENT_TIME, SOURCE_SEQ, ORDER_TIME]
 
 
 def _with_delta_columns(catalog: Catalog, table: Table, spec: TableSpec) -> Table:
-    """A base table made before partfin delta-encoded its lookup columns gets the property (files written from now on)."""
-    if K.PROP_DELTA_COLUMNS in table.properties:
+    """A base table made before partfin delta-encoded its lookup columns (or all of today's) gets the property
+    (files written from now on)."""
+    if table.properties.get(K.PROP_DELTA_COLUMNS) == ",".join(lookup_columns(spec)):
         return table
     try:
         with new_transaction(table) as tx:

@@ -46,7 +46,7 @@ from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, PartfinError
-from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records
+from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records, with_source_log
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import EventTimeStats, suspect_future
 from partfin_assets.model.summary_keys import JobKind
@@ -148,12 +148,12 @@ class CdcWriter:
 
     def write_checkpoint(self, batch: ChangeBatch) -> CheckpointResult:
         checkpoint_id = self.last_checkpoint_id + 1
+        stream_id = self.stream_id(batch.stream)
         try:
-            records = cdc_records(batch.records)
+            records = with_source_log(cdc_records(batch.records), stream_id)  # the stream is the records' change log
         except ValueError as exc:
             raise ValueError(f"{self.spec.name}: {exc}") from None
         heartbeat_us = to_us(batch.heartbeat) if batch.heartbeat is not None else None
-        stream_id = self.stream_id(batch.stream)
         if records.num_rows == 0 and batch.rejected.num_rows == 0 and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})

@@ -55,7 +55,7 @@ from partfin_assets.iceberg.ledger import reconcile
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, cdc_records
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, SOURCE_LOG, cdc_records, with_source_log
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceChanged
 from partfin_assets.model.stats import EventTimeProfile, compact_json, encode_by_hour
 from partfin_assets.model.summary_keys import JobKind
@@ -156,15 +156,15 @@ def _recorded_history(table: Table, name: str, hour_us: int, max_records: int) -
             if why is not None:
                 raise SourceChanged(f"{identity.spec} is no longer the history its writer read ({why})")
             for records in source.history(position.source_offset, max_records):
-                parts.append(_in_hour(records, hour_us))
+                parts.append(with_source_log(_in_hour(records, hour_us), position.writer_id))  # its change log
         except SourceChanged as exc:
             raise ReplayNotPossible(f"{refusal}: {exc}; restore what the writer read to replay it") from None
         read.append({"source": identity.spec, "until": position.source_offset})
-    rows = pa.concat_tables(parts) if parts else CDC_RECORD_SCHEMA.empty_table()
+    rows = pa.concat_tables(parts) if parts else with_source_log(CDC_RECORD_SCHEMA.empty_table(), None)
     if len(positions) > 1:  # writers of one history read the same records
         frame = pl.from_arrow(rows)
         assert isinstance(frame, pl.DataFrame)
-        rows = frame.unique(subset=["key", "source_seq"], keep="first", maintain_order=True).to_arrow().cast(CDC_RECORD_SCHEMA)
+        rows = frame.unique(subset=["key", "source_seq"], keep="first", maintain_order=True).to_arrow().cast(rows.schema)
     return rows, compact_json(read)
 
 
@@ -172,6 +172,15 @@ def _in_hour(records: pa.Table, hour_us: int) -> pa.Table:
     times = pc.cast(records.column("event_time"), pa.int64())
     mask = pc.and_(pc.greater_equal(times, hour_us), pc.less(times, hour_us + US_PER_HOUR))
     return records.filter(mask)
+
+
+def _cdc_rows(records: pa.Table) -> pa.Table:
+    """Records (in the CDC record schema, read back from cdc.<table>, a history without arrival times) as
+    cdc.<table> rows; their change log is kept where they carry one, else unknown (null)."""
+    names = [n for n in CDC_RECORD_SCHEMA.names if n in records.schema.names]
+    rows = cdc_records(records.select(names).cast(pa.schema([CDC_RECORD_SCHEMA.field(n) for n in names])))
+    log = records.column(SOURCE_LOG).cast(pa.string()) if SOURCE_LOG in records.schema.names else pa.nulls(rows.num_rows, pa.string())
+    return rows.append_column(pa.field(SOURCE_LOG, pa.string()), log)
 
 
 def _identities(rows: pa.Table) -> pl.DataFrame:
@@ -192,9 +201,7 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
             int(summary.get(K.REPLAY_KEPT_RECORDS, "0")), summary.get(K.REPLAY_SOURCE), already_committed=True,
         )
     records, history = read()
-    if not records.schema.equals(CDC_RECORD_SCHEMA, check_metadata=False):  # e.g. read back from cdc.<table>
-        names = [n for n in CDC_RECORD_SCHEMA.names if n in records.schema.names]  # a history without arrival times
-        records = cdc_records(records.select(names).cast(pa.schema([CDC_RECORD_SCHEMA.field(n) for n in names])))
+    records = _cdc_rows(records)
     rows = _in_hour(records, hour_us)
     ignored = records.num_rows - rows.num_rows
     partition = hour_partition(job.table.metadata, hour_us)

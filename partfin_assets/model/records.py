@@ -26,8 +26,9 @@ ARRIVAL_TIME = "arrival_time"  # the source's processing time of a record (nulla
 # Every CDC record, whatever the source. `key` is the canonical JSON object of the
 # primary-key columns (sorted keys, no spaces), so routing, dedupe and the upsert
 # see one stable identity per row. `payload` is the JSON after-image (null for deletes).
-# `source_seq` orders changes within the source (file line, LSN, generator index) and
-# breaks event-time ties in last-writer-wins. `arrival_time` is the source's processing time of
+# `source_seq` orders changes within the source's change log (file line, LSN + position in its
+# transaction, Kafka offset in its partition, generator index): it decides last-writer-wins between
+# two changes of one log (see SOURCE_LOG below). `arrival_time` is the source's processing time of
 # the change (Debezium's envelope `ts_ms`, a PostgreSQL transaction's commit time, the synthetic
 # source's simulated arrival); null when the source has none: the checkpoint's commit clock is then
 # the arrival (what the late-data ledger measures lateness against, iceberg/ledger.py).
@@ -55,6 +56,21 @@ def cdc_records(records: pa.Table) -> pa.Table:
     if records.schema.equals(CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL):
         return records.append_column(CDC_RECORD_SCHEMA.field(ARRIVAL_TIME), pa.nulls(records.num_rows, UTC_US))
     raise ValueError(f"source batch schema {records.schema} is not the CDC record schema {CDC_RECORD_SCHEMA}")
+
+
+# A row of cdc.<table> is a record plus the change log its `source_seq` is a position in: the progress
+# stream of the writer that read it (its writer id, or `<writer id>/<topic>-<partition>` for a Kafka
+# partition), which keeps one source history (model/source_identity.py). Within one log `source_seq` is
+# the log's own order, so last-writer-wins compares the positions of two changes of a log, never their
+# event times (jobs/upsert/decode.py). Null: not known (written before partfin recorded it).
+SOURCE_LOG = "source_log"
+
+
+def with_source_log(records: pa.Table, log: str | None) -> pa.Table:
+    """The records as cdc.<table> rows of change log `log` (None: unknown); a `source_log` they carry is kept."""
+    if SOURCE_LOG in records.schema.names:
+        return records
+    return records.append_column(pa.field(SOURCE_LOG, pa.string(), nullable=True), pa.array([log] * records.num_rows, pa.string()))
 
 REJECTED_RECORD_SCHEMA = pa.schema(
     [

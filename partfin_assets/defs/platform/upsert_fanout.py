@@ -28,7 +28,7 @@ from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Job, JobStart, StagedFiles
 from partfin_assets.jobs.upsert import sync_merged_tag
 from partfin_assets.jobs.upsert.commit import commit_merge
-from partfin_assets.jobs.upsert.decode import decode_changes, winners
+from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
 from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
@@ -90,7 +90,7 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
             return
         changes, unfit = decode_changes(spec, read_files(upsert_plan.cdc, upsert_plan.cdc_files))
         quarantine_changes(iceberg, spec, unfit, upsert_plan.cdc_snapshot.snapshot_id)
-        by_group = split_by_group(upsert_plan, winners(spec, changes))
+        by_group = split_by_group(upsert_plan, latest_per_log(spec, changes))
         context.log.info(f"{changes.height} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
         yield Output(RunPlan(job_.started, upsert_plan.position, changes.height + unfit.num_rows, unfit.num_rows), "run")
         for group, group_changes in sorted(by_group.items()):

@@ -4,11 +4,12 @@ One run is one UPDATE/DELETE `Job` on base.<table> (DESIGN §6), in four steps, 
 
 1. plan.py: which CDC data files are new since the position base.<table> merged up to,
    read at one pinned snapshot of each table;
-2. decode.py (+ payload.py): CDC rows -> typed change rows, one winner per primary key by
-   (event time, source position); a change that does not decode goes to base.<table>__rejected
-   (quarantine.py) with its reason, once, and the rest merges;
-3. merge.py: the winners against the base rows of the buckets they touch (polars); deletes
-   become tombstones;
+2. decode.py (+ payload.py): CDC rows -> typed change rows, the latest per primary key and change
+   log; a change that does not decode goes to base.<table>__rejected (quarantine.py) with its
+   reason, once, and the rest merges;
+3. merge.py: those against the base rows of the buckets they touch (polars): within one change log
+   the log's order decides, between logs the event time (decode.py `ORDER_KEY`); deletes become
+   tombstones;
 4. commit.py: one overwrite commit that swaps the rewritten buckets' files and sets position and
    watermark, then tags the merged CDC snapshot so expiry keeps the next run's starting point.
 

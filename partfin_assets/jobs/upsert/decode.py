@@ -1,4 +1,4 @@
-"""Upsert step 2, decode: CDC rows -> typed change rows, then one winning change per primary key.
+"""Upsert step 2, decode: CDC rows -> typed change rows, then the latest change per primary key and change log.
 
 Keys and payloads are decoded into the declared typed columns (jobs/upsert/payload.py). A change
 that does not fit (an unknown op, a key or payload that does not decode, a payload whose key
@@ -13,21 +13,23 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, SOURCE_SEQ, base_columns
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
 from partfin_assets.jobs.upsert.payload import decode_columns
+from partfin_assets.model.records import SOURCE_LOG as CDC_SOURCE_LOG
+from partfin_assets.model.records import with_source_log
 from partfin_assets.model.tablespec import TableSpec
 
 OPS_UPSERT = ("c", "u", "r")
 OP_DELETE = "d"
-CHANGE_COLUMNS = ["key", "op", "event_time", "source_seq", "payload"]
+CHANGE_COLUMNS = ["key", "op", "event_time", "source_seq", "payload", CDC_SOURCE_LOG]
 
 
 def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Table]:
-    """CDC rows -> (typed change rows: declared columns + _event_time, _source_seq, _deleted, not yet
-    deduplicated; the CDC rows that do not fit, with `column` and `reason`)."""
+    """CDC rows -> (typed change rows: declared columns + _event_time, _source_seq, _deleted, _source_log,
+    not yet deduplicated; the CDC rows that do not fit, with `column` and `reason`)."""
     columns = base_columns(spec)
     pk = list(spec.primary_key)
-    raw = raw.select(CHANGE_COLUMNS)
+    raw = with_source_log(raw, None).select(CHANGE_COLUMNS)  # a table written before partfin kept the log: unknown
     unfit: dict[int, tuple[str | None, str]] = {}  # CDC row -> (column, reason)
 
     def set_aside(rows: np.ndarray, found, prefix: str = "") -> np.ndarray:
@@ -84,6 +86,7 @@ def _meta(raw: pa.Table, rows: np.ndarray) -> pl.DataFrame:
         pl.col("event_time").alias(EVENT_TIME),
         pl.col("source_seq").alias(SOURCE_SEQ),
         (pl.col("op") == OP_DELETE).alias(DELETED),
+        pl.col(CDC_SOURCE_LOG).alias(SOURCE_LOG),
         pl.col("op"),
         pl.col("payload"),
     )
@@ -96,18 +99,36 @@ def _unfit_rows(raw: pa.Table, unfit: dict[int, tuple[str | None, str]]) -> pa.T
     return rows.append_column("reason", pa.array([unfit[i][1] for i in order], pa.string()))
 
 
-# Last writer wins: the order of two versions of a key. Both rules below derive from it.
-ORDER_COLUMNS = (EVENT_TIME, SOURCE_SEQ)
+# Last writer wins: the order of two versions of a key (a change, or a base row beside it).
+#
+# Within one change log (a writer's progress stream: cdc `source_log`) the log's own order decides:
+# `source_seq` (file line, LSN, Kafka offset in its partition, generator index). Event time only orders
+# versions of different logs (several writer ids or Kafka partitions of one table), or of unknown ones.
+# To make that one total order, each version is ranked at its *order time*: its event time, but never
+# before an earlier change of its key in its log (a clock that steps back in a failover or an NTP step
+# does not make a later change older). Versions are ordered by (order time, log, source_seq): within a
+# log, order time never decreases along the log, so source_seq decides; between logs order time does,
+# then the log id (ties between logs must not depend on which changes a run happens to see), and a
+# null (unknown) log ranks lowest. The base row keeps its winner's log and order time
+# (`_source_log`, `_order_time`, iceberg/tables.py), so a later run ranks the next change of that log
+# from where the log stood. This needs a log to deliver its changes in its order, re-deliveries aside,
+# which every partfin source does. Rows written before partfin kept the log (null `_source_log`, null
+# `_order_time`: the event time) rank by event time as before.
+ORDER_KEY = (ORDER_TIME, SOURCE_LOG, SOURCE_SEQ)
 
 
-def winners(spec: TableSpec, changes: pl.DataFrame) -> pl.DataFrame:
-    """One change per primary key: the newest by (event time, source position).
+def latest_per_log(spec: TableSpec, changes: pl.DataFrame) -> pl.DataFrame:
+    """Per primary key and change log, the latest change, ranked at its order time within what this run read.
 
-    (event time, source position) identifies a change, so ties are re-deliveries of the same change;
-    op and payload only make the choice deterministic should a source ever repeat a position.
+    Every other change of a key in one log is older than that one whatever the base holds, so nothing
+    the merge needs is lost. A change of an unknown (null) log is ranked at its event time, and only the
+    newest of them by (event time, source position) is kept. op and payload only make the choice
+    deterministic should a source ever repeat a position.
     """
-    ordered = changes.sort([*ORDER_COLUMNS, "op", "payload"], nulls_last=False)
-    return ordered.unique(subset=list(spec.primary_key), keep="last", maintain_order=False).drop(["op", "payload"])
+    per_log = [*spec.primary_key, SOURCE_LOG]
+    order_time = pl.when(pl.col(SOURCE_LOG).is_not_null()).then(pl.col(EVENT_TIME).max().over(per_log)).otherwise(pl.col(EVENT_TIME))
+    ordered = changes.with_columns(order_time.alias(ORDER_TIME)).sort([*ORDER_KEY, "op", "payload"], nulls_last=False)
+    return ordered.unique(subset=per_log, keep="last", maintain_order=False).drop(["op", "payload"])
 
 
 def newer_than_base(change_suffix: str) -> pl.Expr:
@@ -115,11 +136,14 @@ def newer_than_base(change_suffix: str) -> pl.Expr:
 
     A change replaces a base row only when it is strictly newer, so re-delivered or reordered
     changes give the same table; a null base side (no base row) is not newer: callers decide.
+    The base's order time must be filled (null: its event time); a null log ranks lowest.
     """
     newer: pl.Expr | None = None
     equal_so_far: pl.Expr | None = None
-    for column in ORDER_COLUMNS:
+    for column in ORDER_KEY:
         change, base = pl.col(column + change_suffix), pl.col(column)
+        if column == SOURCE_LOG:
+            change, base = change.fill_null(""), base.fill_null("")
         step = change > base if equal_so_far is None else equal_so_far & (change > base)
         newer = step if newer is None else newer | step
         equal_so_far = (change == base) if equal_so_far is None else equal_so_far & (change == base)

@@ -129,12 +129,14 @@ def old_versions(
     found = []
     for data_file in files:
         constant = _constant_columns(table, data_file, [c for c in columns if c not in key_columns])
-        others = [c for c in columns if c not in key_columns and c not in constant]
         with table.io.new_input(data_file.file_path).open() as stream:
             parquet = pq.ParquetFile(stream)
             # columns by field id: the physical names are whatever the writer used
             physical = {int(f.metadata[b"PARQUET:field_id"]): f.name for f in parquet.schema_arrow if f.metadata and b"PARQUET:field_id" in f.metadata}
-            name_of = {c: physical[schema.find_field(c).field_id] for c in columns if c not in constant}
+            name_of = {c: physical[schema.find_field(c).field_id] for c in columns if c not in constant and schema.find_field(c).field_id in physical}
+            # columns added to the table after the file was written (`_source_log`, `_order_time`): null
+            absent = [c for c in columns if c not in constant and c not in name_of]
+            others = [c for c in columns if c not in key_columns and c in name_of]
             offset = 0
             for group in range(parquet.metadata.num_row_groups):
                 # one row group at a time (files partfin writes have one per ~1M rows): bounded memory
@@ -148,6 +150,7 @@ def old_versions(
                         rest = parquet.read_row_group(group, columns=[name_of[c] for c in others]).rename_columns(others)
                         hits |= {c: rest.column(c).take(take) for c in others}
                     hits |= {c: pa.repeat(pa.scalar(v, arrow_schema.field(c).type), positions.size) for c, v in constant.items()}
+                    hits |= {c: pa.nulls(positions.size, arrow_schema.field(c).type) for c in absent}
                     frame = pl.from_arrow(pa.table({c: hits[c] for c in columns}))
                     assert isinstance(frame, pl.DataFrame)
                     found.append(frame.with_columns(pl.Series(POS, positions + offset, dtype=pl.Int64), pl.lit(data_file.file_path).alias(FILE)))

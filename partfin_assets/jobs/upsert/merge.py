@@ -1,8 +1,9 @@
 """Upsert step 3, merge one key group, merge-on-read: the winning changes against the old versions of their keys.
 
 For a group (the buckets `bucket mod G == g`): locate the live old version of every changed key
-(jobs/upsert/locate.py: key columns only, key-range-pruned files), decide last-writer-wins per
-key (jobs/upsert/decode.py `newer_than_base`), then
+(jobs/upsert/locate.py: key and ordering columns only, key-range-pruned files), rank each key's
+changes (one per change log) from where their log stood in the base row, and decide last-writer-wins
+per key (jobs/upsert/decode.py `ORDER_KEY`, `newer_than_base`), then
 
 - append the new versions (deletes become tombstones, `_deleted`, so an older update arriving
   later cannot resurrect the row) as one data file per bucket, sorted by key;
@@ -30,9 +31,9 @@ from pyiceberg.transforms import BucketTransform
 
 from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
-from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, base_columns
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
 from partfin_assets.jobs.job import StagedFiles
-from partfin_assets.jobs.upsert.decode import ORDER_COLUMNS, newer_than_base
+from partfin_assets.jobs.upsert.decode import ORDER_KEY, newer_than_base
 from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, old_versions
 from partfin_assets.jobs.upsert.plan import GroupFiles, PartitionFiles, UpsertPlan
 from partfin_assets.model.tablespec import TableSpec
@@ -72,9 +73,9 @@ def group_ids(table: Table, spec: TableSpec, groups: int, changes: pl.DataFrame)
     return (pl.Series(GROUP, buckets).cast(pl.Int64) % groups).alias(GROUP)
 
 
-def split_by_group(plan: UpsertPlan, winners: pl.DataFrame) -> dict[int, pl.DataFrame]:
-    """The winning changes of each key group that has any."""
-    tagged = winners.with_columns(group_ids(plan.base, plan.spec, plan.groups, winners))
+def split_by_group(plan: UpsertPlan, changes: pl.DataFrame) -> dict[int, pl.DataFrame]:
+    """The changes (decode.py `latest_per_log`) of each key group that has any."""
+    tagged = changes.with_columns(group_ids(plan.base, plan.spec, plan.groups, changes))
     return {int(key[0]): frame.drop(GROUP) for key, frame in tagged.partition_by(GROUP, as_dict=True).items()}
 
 
@@ -88,29 +89,39 @@ def merge_group(
     max_data_files: int = DEFAULT_MAX_DATA_FILES,
     on_read: Callable[[], None] | None = None,
 ) -> GroupMerge:
-    """Merge the winning `changes` of one group into its files (as of the job's start snapshot)."""
+    """Merge the `changes` of one group (the latest per key and change log) into its files (as of the job's start snapshot)."""
     pk = list(spec.primary_key)
     columns = base_columns(spec)
     result = GroupMerge(files.group, targets=list(files.paths))
     data = [f for p in files.partitions for f in p.data]
     deleted = positions_by_file(read_positions(table.io, [d for p in files.partitions for d in p.deletes]))
-    keys = changes.select(pk)
+    keys = changes.select(pk).unique()
     candidates = candidate_files(table, data, keys, _bucket_column(table, pk))
     result.files_scanned = len(candidates)
-    old = old_versions(table, candidates, deleted, keys, [*pk, *ORDER_COLUMNS, DELETED])
+    old = old_versions(table, candidates, deleted, keys, [*pk, EVENT_TIME, *ORDER_KEY, DELETED])
+    old = old.with_columns(pl.col(ORDER_TIME).fill_null(pl.col(EVENT_TIME)))  # a row written before partfin kept it
     if on_read is not None:
         on_read()
 
     # Several live versions of one key (an outside append) all go; the newest decides.
-    newest = old.sort(list(ORDER_COLUMNS)).unique(subset=pk, keep="last")
+    newest = old.sort(list(ORDER_KEY), nulls_last=False).unique(subset=pk, keep="last")
     value_columns = [c for c in columns if c not in pk] + list(META_COLUMNS)
     change_side = changes.select([*pk, *value_columns]).rename({c: c + _CHG for c in value_columns})
     change_side = change_side.cast({c: newest.schema[c] for c in pk}) if newest.height else change_side
-    joined = change_side.join(newest.select([*pk, *ORDER_COLUMNS, DELETED]), on=pk, how="left")
+    joined = change_side.join(newest.select([*pk, EVENT_TIME, *ORDER_KEY, DELETED]), on=pk, how="left")
+    # A change of the base row's log is older than it by position alone (a re-delivery), and a newer one goes on
+    # from where that log stood: never ranked before the base row's order time.
+    same_log = (pl.col(SOURCE_LOG + _CHG) == pl.col(SOURCE_LOG)).fill_null(False)
+    joined = joined.with_columns(
+        pl.when(same_log).then(pl.max_horizontal(ORDER_TIME + _CHG, ORDER_TIME)).otherwise(pl.col(ORDER_TIME + _CHG)).alias(ORDER_TIME + _CHG),
+        ~(same_log & (pl.col(SOURCE_SEQ + _CHG) <= pl.col(SOURCE_SEQ))).alias("__after_base_in_its_log"),
+    )
+    # The key's newest change (one per log so far), those behind the base row in its own log ranked last; then it against the base row.
+    joined = joined.sort(["__after_base_in_its_log", *[c + _CHG for c in ORDER_KEY]], nulls_last=False).unique(subset=pk, keep="last")
     in_base = pl.col(EVENT_TIME).is_not_null()
     base_live = in_base & ~pl.col(DELETED).fill_null(True)
     change_delete = pl.col(DELETED + _CHG)
-    take = ~in_base | newer_than_base(_CHG).fill_null(False)
+    take = pl.col("__after_base_in_its_log") & (~in_base | newer_than_base(_CHG).fill_null(False))
     joined = joined.with_columns(take.alias("__take"), base_live.alias("__base_live"), change_delete.alias("__change_delete"))
     counts = joined.select(
         (pl.col("__take") & ~pl.col("__change_delete") & ~pl.col("__base_live")).sum().alias("inserted"),

@@ -18,7 +18,7 @@ from partfin_assets.iceberg.files import partition_path, read_files
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
-from partfin_assets.jobs.upsert.decode import decode_changes, winners
+from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
 from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, merged_source_snapshot_id, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
@@ -119,7 +119,7 @@ def run_upsert(
             )
         changes, unfit = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
         quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)
-        by_group = split_by_group(plan, winners(spec, changes))
+        by_group = split_by_group(plan, latest_per_log(spec, changes))
         merges: list[GroupMerge] = []
         for group, group_changes in sorted(by_group.items()):
             files = plan.layout.get(group, GroupFiles(group, []))
