@@ -39,7 +39,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import PartfinError, first_line
 
 # how JsonConverter and partfin's sources write the floats JSON has no number for
 _NON_FINITE = re.compile(r'"(?:NaN|-?Infinity)"')
@@ -100,7 +100,7 @@ def _convert(name: str, values: pa.Array, target: pa.DataType) -> pa.Array:
     except _Unfit:
         raise
     except (pa.ArrowException, pl.exceptions.PolarsError, ValueError) as exc:
-        raise _Unfit(name, f"value does not fit {target}: {str(exc).splitlines()[0]}") from exc
+        raise _Unfit(name, f"value does not fit {target}: {first_line(str(exc))}") from exc
 
 
 def _floats_by_path(name: str, lines: pl.Series) -> pa.Array:
@@ -112,7 +112,7 @@ def _floats_by_path(name: str, lines: pl.Series) -> pa.Array:
     try:
         return lines.str.json_path_match(f"$['{name}']").cast(pl.Float64, strict=True).to_arrow()
     except pl.exceptions.PolarsError as exc:
-        raise _Unfit(name, f"value does not fit double: {str(exc).splitlines()[0]}") from exc
+        raise _Unfit(name, f"value does not fit double: {first_line(str(exc))}") from exc
 
 
 def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Sequence[str]) -> pa.Table:
@@ -138,7 +138,7 @@ def _decode(texts: pa.Array, columns: Mapping[str, pa.DataType], required: Seque
             parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
         )
     except (pa.ArrowException, ValueError) as exc:
-        raise _Unfit(None, f"not a JSON object of the declared columns: {str(exc).splitlines()[0]}") from exc
+        raise _Unfit(None, f"not a JSON object of the declared columns: {first_line(str(exc))}") from exc
     if decoded.num_rows != n:
         raise _Unfit(None, "not exactly one JSON object")
     out = {}
