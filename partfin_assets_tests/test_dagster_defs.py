@@ -78,21 +78,47 @@ def test_pipeline_in_process(env, monkeypatch):
     cdc, base = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
     finalized, activity = AssetKey(["finalized", "orders"]), AssetKey(["activity", "orders_hourly"])
 
-    # sync: checkpoints report the hour partitions they touched, with metadata
+    # sync: every hour a run touched or finalized shows the hour's totals (from the ledger), and the run
+    # evaluates the cdc and base checks after its materializations
     result = defs.resolve_job_def("sync_orders").execute_in_process(instance=instance)
     assert result.success
     cdc_events = _materializations(instance, cdc)
     assert cdc_events
     meta = cdc_events[0].asset_materialization.metadata
-    for name in ("records", "event_time_min", "event_time_max", "event_time_p50", "event_time_p99", "watermark",
-                 "late_records", "lag_seconds", "finalized"):
+    for name in ("records", "late_records", "event_time_min", "event_time_max", "event_time_p50", "event_time_p99", "watermark",
+                 "finalized", "finalized_at", "finalization_lag_seconds"):
         assert name in meta, name
-    assert isinstance(meta["lag_seconds"].value, float)
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.ledger import hour_totals, read_ledger
+
+    totals = hour_totals(read_ledger(load_partfin_catalog(), "cdc.orders"))
+    expected = {hour_key(int(h.timestamp()) * 1_000_000): n for h, n in zip(totals["hour"].to_list(), totals["records"].to_list())}
+    shown = {}
+    for event in reversed(cdc_events):  # oldest first: the newest materialization of a partition wins
+        shown[event.dagster_event.partition] = event.asset_materialization.metadata["records"].value
+    assert shown == expected  # one run: each hour once, with all its records (not one checkpoint's share)
+    finals = [e.asset_materialization.metadata for e in cdc_events if e.asset_materialization.metadata["finalized"].value]
+    assert finals and all(isinstance(m["finalization_lag_seconds"].value, float) and m["finalization_lag_seconds"].value >= 0
+                          for m in finals)
     partitions = {e.dagster_event.partition for e in cdc_events}
     assert "2026-01-01-00:00" in partitions and "2026-01-01-06:00" in partitions
     base_events = _materializations(instance, base)
     assert {e.dagster_event.partition for e in base_events} >= {"2026-01-01-00:00", "2026-01-01-05:00"}
     assert "records" in base_events[0].asset_materialization.metadata
+    # per-commit facts are a table-level series
+    observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(cdc, limit=1000).records]
+    assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
+    # the checks ran in the sync run itself: the UI shows them on the latest materialization
+    in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
+    assert {c for k, c in in_run if k == cdc} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
+    assert {c for k, c in in_run if k == base} == {"watermark_matches_merged_cdc_snapshot", "watermark_lag_vs_cdc",
+                                                   "quarantined_changes"}
+    in_run_late = in_run[(cdc, "late_data")]
+    assert not in_run_late.passed and in_run_late.severity == AssetCheckSeverity.WARN
+    from partfin_assets.finalization.status import all_table_status
+
+    status = {s.name: s for s in all_table_status(load_partfin_catalog())}
+    assert in_run_late.metadata["late_records"].value == status["cdc.orders"].late_records  # `partfin status` agrees
 
     # the finalization sensor: every hour below the base watermark, in order, once
     sensor = defs.resolve_sensor_def("finalize_orders_sensor")
@@ -103,7 +129,6 @@ def test_pipeline_in_process(env, monkeypatch):
     assert len(set(r.run_key for r in first.run_requests)) == len(keys)
     assert [e.partition for e in first.asset_events] == keys
     from partfin_assets.finalization.hours import is_finalized
-    from partfin_assets.iceberg.catalog import load_partfin_catalog
     from partfin_assets.iceberg.history import watermark_of
 
     watermark = watermark_of(load_partfin_catalog().load_table("base.orders").properties)
@@ -171,3 +196,17 @@ def test_pipeline_in_process(env, monkeypatch):
     rerun = after.metadata["partitions_to_rerun"].value
     assert rerun and set(rerun) <= set(keys) | {open_hour}
     assert "re-run" in after.description
+
+    # the late_data WARN stays (the ledger is its evidence) until every affected hour ran again with its late rows
+    sticky = {e.check_name: e for e in checks.get_asset_check_evaluations()}["late_data"]
+    assert not sticky.passed and sticky.severity == AssetCheckSeverity.WARN
+    to_rerun = sticky.metadata["partitions_to_rerun"].value
+    assert set(rerun) <= set(to_rerun)
+    again = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
+    assert not {e.check_name: e for e in again.get_asset_check_evaluations()}["late_data"].passed  # nothing re-run: still WARN
+    for key in to_rerun:
+        assert later.resolve_job_def("activity_orders_job").execute_in_process(instance=instance, partition_key=key).success
+    cleared = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
+    by_name = {e.check_name: e for e in cleared.get_asset_check_evaluations()}
+    assert by_name["late_data"].passed and by_name["late_data_after_run"].passed
+    assert by_name["late_data"].metadata["late_records"].value == sticky.metadata["late_records"].value  # totals stay
