@@ -204,8 +204,18 @@ def test_pipeline_in_process(env, monkeypatch):
     assert set(rerun) <= set(to_rerun)
     again = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
     assert not {e.check_name: e for e in again.get_asset_check_evaluations()}["late_data"].passed  # nothing re-run: still WARN
+    # the re-run sensor requests the partitions that ran before their late records came, once per batch of them
+    rerun_sensor = later.resolve_sensor_def("rerun_late_orders_sensor")
+    resources = later.get_repository_def().get_top_level_resources()
+    with build_sensor_context(instance=instance, resources=resources) as ctx:
+        requested = rerun_sensor(ctx)
+    assert sorted(r.partition_key for r in requested.run_requests) == sorted(rerun)
+    assert all(r.run_key.startswith(f"orders:{r.partition_key}:late:") and r.tags["partfin/rerun"] == "late-data"
+               for r in requested.run_requests)
     for key in to_rerun:
         assert later.resolve_job_def("activity_orders_job").execute_in_process(instance=instance, partition_key=key).success
+    with build_sensor_context(instance=instance, resources=resources) as ctx:
+        assert not rerun_sensor(ctx).run_requests  # every late record has been run with
     cleared = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
     by_name = {e.check_name: e for e in cleared.get_asset_check_evaluations()}
     assert by_name["late_data"].passed and by_name["late_data_after_run"].passed

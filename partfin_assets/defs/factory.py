@@ -6,6 +6,7 @@ from dagster import Definitions
 
 from partfin_assets.defs.checks.watermark_checks import build_checks, build_checks_sensor
 from partfin_assets.defs.downstream.activity import build_activity_asset
+from partfin_assets.defs.finalization.late_rerun import build_late_rerun_sensor
 from partfin_assets.defs.finalization.sensor import build_finalization_sensor, finalized_spec
 from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_maintenance_job, build_privacy_job
 from partfin_assets.defs.platform.sync import build_sync_job, build_sync_sensor, layer_specs
@@ -27,6 +28,7 @@ def table_definitions(table: PartfinTable) -> Definitions:
         sensors=[
             build_sync_sensor(table, sync_job),
             build_finalization_sensor(table, activity_job),
+            build_late_rerun_sensor(table, activity_job),
             build_checks_sensor(table, checks_job),
         ],
     )

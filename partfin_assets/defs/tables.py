@@ -75,7 +75,7 @@ class PartfinTable:
         return HourlyPartitionsDefinition(start_date=self.start_key, end_offset=1, timezone="UTC")
 
 
-SENSOR_KINDS = ("sync", "finalize", "checks")
+SENSOR_KINDS = ("sync", "finalize", "checks", "rerun")
 SCHEDULE_KINDS = ("compact", "maintain")
 
 
@@ -85,7 +85,7 @@ def _enabled(kind: str, kinds: tuple[str, ...], wanted: str | None) -> bool:
 
 
 def sensor_default_status(kind: str):
-    """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks) starts only those."""
+    """Sensors start RUNNING; PARTFIN_SENSORS=finalize,checks (a subset of sync,finalize,checks,rerun) starts only those."""
 
     return DefaultSensorStatus.RUNNING if _enabled(kind, SENSOR_KINDS, Settings.from_env().sensors) else DefaultSensorStatus.STOPPED
 

@@ -154,3 +154,10 @@ def write_report(catalog: Catalog, name: str, out_dir: Path) -> tuple[Path, Path
 def report_dir(home: Path) -> Path:
     """Where reports go by default: $PARTFIN_HOME/reports."""
     return home / "reports"
+
+
+def report_is_stale(path: Path, max_age_s: float) -> bool:
+    """Whether a report file is missing or older than `max_age_s` (the sync job refreshes it at most that often)."""
+    import time
+
+    return not path.exists() or time.time() - path.stat().st_mtime > max_age_s

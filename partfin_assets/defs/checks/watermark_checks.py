@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetKey,
@@ -146,7 +147,8 @@ def build_checks_sensor(table: PartfinTable, checks_job):
         job=checks_job,
         minimum_interval_seconds=sensor_interval("checks", table.checks_interval_seconds),
         default_status=sensor_default_status("checks"),
-        description=f"Runs the watermark checks of {table.name} whenever cdc, base or the downstream asset changed.",
+        description=f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
+        f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run).",
     )
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         state = []
@@ -157,6 +159,7 @@ def build_checks_sensor(table: PartfinTable, checks_job):
         latest = context.instance.get_latest_materialization_event(table.activity_key)
         state.append(str(latest.storage_id) if latest is not None and hasattr(latest, "storage_id") else
                      str(latest.timestamp) if latest is not None else "-")
-        return RunRequest(run_key=f"checks:{':'.join(state)}")
+        # only the downstream check: a checks run of cdc/base would show them "In Progress" while it waits
+        return RunRequest(run_key=f"checks:{':'.join(state)}", asset_check_keys=[AssetCheckKey(table.activity_key, "late_data_after_run")])
 
     return checks_sensor

@@ -16,7 +16,7 @@ replay reads only what the writer committed, so the writer never appends a recor
 """
 
 
-from dagster import AssetExecutionContext, Failure, MaterializeResult, asset
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from partfin_assets.defs.force import ForceConfig, refused
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
@@ -24,7 +24,8 @@ from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.finalization.hour_truth import hour_truths
-from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.finalization.report import report_dir
+from partfin_assets.iceberg.catalog import CatalogConfig, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.replay import ReplayRefused, ReplayResult, replay_hour_from_history
@@ -64,7 +65,9 @@ def build_cdc_asset(table: PartfinTable):
         kinds={"iceberg"},
         pool=replay_pool(table),
         tags={"partfin/table": name},
-        metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy},
+        metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy,
+                  # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
+                  "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
         description=f"cdc.{name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
         f"Written by the `sync_{name}` job (every checkpoint reports the hours it touched). Materializing a partition "
         f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "

@@ -1,21 +1,26 @@
 """cdc/<table> and base/<table>: the CDC writer and the upsert, run by Dagster on a short cadence.
 
-Both layers are stream-fed and hourly partitioned: the sync job's ops report, per commit, a
-materialization for every hour partition the commit touched (records, event-time
-min/max/p50/p99, watermark, late records, lag, finalized). base/<table> is an asset spec;
-cdc/<table> is an executable asset whose own materialization replays an hour from the source
-(defs/platform/replay.py). A conflict of the upsert (CommitConflictError) retries the upsert op.
+Both layers are stream-fed and hourly partitioned. After its commits, a sync run reports one
+materialization per hour partition it touched or finalized, showing the whole hour from the
+late-data ledger (finalization/hour_truth.py: records, late records, event-time p50/p99,
+finalized, finalized_at, finalization lag), one observation per checkpoint on cdc/<table>
+(checkpoint id, commit latency, watermark), and then the layer's checks (so the latest
+materialization always carries its check results). Both are executable assets too: a manual
+materialization of cdc/<table> replays the hour (defs/platform/replay.py), one of base/<table>
+runs the upsert now. A conflict of the upsert (CommitConflictError) retries the upsert op.
 """
 
 import time
 
 from dagster import (
+    AssetExecutionContext,
     AssetMaterialization,
     AssetObservation,
     AssetRecordsFilter,
-    AssetSpec,
-    DagsterRunStatus,
+        DagsterRunStatus,
     In,
+    MaterializeResult,
+    MetadataValue,
     Nothing,
     OpExecutionContext,
     Out,
@@ -23,6 +28,7 @@ from dagster import (
     RunsFilter,
     SensorEvaluationContext,
     SkipReason,
+    asset,
     in_process_executor,
     job,
     op,
@@ -35,9 +41,10 @@ from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
-from partfin_assets.finalization.hours import hour_key, lag_seconds
+from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.finalization.partition_metadata import checkpoint_hours
+from partfin_assets.finalization.report import report_dir, report_is_stale, write_report
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -49,27 +56,75 @@ from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_i
 def _iso(us: int | None) -> str | None:
     return iso_z(us) if us is not None else None
 
+REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
 
 def layer_specs(table: PartfinTable) -> list:
-    """cdc/<table> (an executable asset: a manual materialization replays the hour, defs/platform/replay.py)
-    and base/<table> (a spec: only the sync job's upsert writes it)."""
-    partitions = table.partitions_def()
-    return [
-        build_cdc_asset(table),
-        AssetSpec(
-            table.base_key,
-            deps=[table.cdc_key],
-            description=f"base.{table.name}: current state, upserted (last writer wins) from cdc.{table.name}; "
-            "carries the watermark of the CDC snapshot it merged.",
-            group_name="platform",
-            owners=[table.platform_owner],
-            kinds={"iceberg"},
-            partitions_def=partitions,
-            metadata={"iceberg_table": f"base.{table.name}", "primary_key": ",".join(table.spec.primary_key)},
-        ),
-    ]
+    """cdc/<table> (a manual materialization replays the hour, defs/platform/replay.py) and base/<table>
+    (a manual materialization runs the upsert now); both are reported per hour by the sync job."""
+    return [build_cdc_asset(table), build_base_asset(table)]
+
+
+def build_base_asset(table: PartfinTable):
+    name = table.name
+
+    @asset(
+        key=table.base_key,
+        deps=[table.cdc_key],
+        partitions_def=table.partitions_def(),
+        group_name="platform",
+        owners=[table.platform_owner],
+        kinds={"iceberg"},
+        tags={"partfin/table": name},
+        metadata={"iceberg_table": f"base.{name}", "primary_key": ",".join(table.spec.primary_key)},
+        description=f"base.{name}: current state, upserted (last writer wins) from cdc.{name}; carries the watermark of "
+        f"the CDC snapshot it merged. The `sync_{name}` job's upsert reports every hour it changed or finalized; "
+        f"materializing a partition by hand runs that upsert now (it merges every new CDC snapshot, whatever the hour) "
+        "and shows the partition's hour.",
+    )
+    def base(context: AssetExecutionContext, catalog: IcebergCatalogResource) -> MaterializeResult:
+        hour = hour_from_key(context.partition_key)
+        iceberg = catalog.load()
+        truths = upsert_and_report(context, table, iceberg, skip_hours={hour})
+        if hour not in truths:
+            watermark = watermark_of(iceberg.load_table(f"base.{name}").properties)
+            truths[hour] = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), [hour], watermark,
+                                       _previous_finalized_at(context, table.base_key, [hour]))[0]
+        return MaterializeResult(metadata=truths[hour].metadata())
+
+    return base
+
+
+def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int] = frozenset()) -> dict[int, HourTruth]:
+    """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized (but `skip_hours`,
+    which the caller reports itself) and the base checks. Returns the hours' truths."""
+    name = table.name
+    before = ensure_base_table(iceberg, table.spec)
+    watermark_before = watermark_of(before.properties)
+    with retry_on_conflict(context, f"upsert into base.{name}"):  # a new job: re-planned from a fresh snapshot
+        result = run_upsert(iceberg, name)
+    context.log.info(result.describe())
+    truths: dict[int, HourTruth] = {}
+    if result.base_snapshot_id is not None:
+        base = iceberg.load_table(f"base.{name}")
+        snapshot = base.metadata.snapshot_by_id(result.base_snapshot_id)
+        committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
+        watermark = watermark_of(base.properties)
+        newly_final = newly_final_hours(watermark_before, watermark, table.start_us)
+        touched = {to_us(parse_iso(h)) for h in result.hours_touched}
+        # base finalizes when the upsert carries the watermark past the hour: this commit, or an earlier one
+        finalized_at = _previous_finalized_at(context, table.base_key, sorted(touched - set(newly_final)))
+        finalized_at.update({h: committed_at for h in newly_final})
+        found = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
+        truths = {t.hour_us: t for t in found}
+        _log_hours(context, table, table.base_key, [t for t in found if t.hour_us not in skip_hours], to_us(now_utc()), {
+            "watermark": _iso(watermark),
+            "base_snapshot_id": result.base_snapshot_id,
+            "cdc_snapshot_id": result.cdc_snapshot_id,
+        })
+    _log_checks(context, table, iceberg, "base")
+    return truths
 
 
 def _reportable(table: PartfinTable, hour_us: int, now_us: int) -> bool:
@@ -177,34 +232,17 @@ def build_sync_job(table: PartfinTable):
             )
         )
         _log_checks(context, table, iceberg, "cdc")
+        report = report_dir(catalog.config().home) / f"{name}.html"
+        if checkpoints and report_is_stale(report, REPORT_REFRESH_SECONDS):
+            page, picture = write_report(iceberg, name, report.parent)
+            context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
+                "finalization_report": MetadataValue.path(str(page)), "finalization_report_png": MetadataValue.path(str(picture))}))
 
     @op(name=f"upsert_{name}", ins={"after": In(Nothing)}, tags={"kind": "iceberg"})
     def upsert(context: OpExecutionContext, catalog: IcebergCatalogResource) -> None:
         """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized, and the base checks."""
 
-        iceberg = catalog.load()
-        before = ensure_base_table(iceberg, table.spec)
-        watermark_before = watermark_of(before.properties)
-        with retry_on_conflict(context, f"upsert into base.{name}"):  # a new job: re-planned from a fresh snapshot
-            result = run_upsert(iceberg, name)
-        context.log.info(result.describe())
-        if result.base_snapshot_id is not None:
-            base = iceberg.load_table(f"base.{name}")
-            snapshot = base.metadata.snapshot_by_id(result.base_snapshot_id)
-            committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
-            watermark = watermark_of(base.properties)
-            newly_final = newly_final_hours(watermark_before, watermark, table.start_us)
-            touched = {to_us(parse_iso(h)) for h in result.hours_touched}
-            # base finalizes when the upsert carries the watermark past the hour: this commit, or an earlier one
-            finalized_at = _previous_finalized_at(context, table.base_key, sorted(touched - set(newly_final)))
-            finalized_at.update({h: committed_at for h in newly_final})
-            truths = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
-            _log_hours(context, table, table.base_key, truths, to_us(now_utc()), {
-                "watermark": _iso(watermark),
-                "base_snapshot_id": result.base_snapshot_id,
-                "cdc_snapshot_id": result.cdc_snapshot_id,
-            })
-        _log_checks(context, table, iceberg, "base")
+        upsert_and_report(context, table, catalog.load())
 
     @job(
         name=f"sync_{name}",
