@@ -106,6 +106,11 @@ def test_pipeline_in_process(env, monkeypatch):
     base_events = _materializations(instance, base)
     assert {e.dagster_event.partition for e in base_events} >= {"2026-01-01-00:00", "2026-01-01-05:00"}
     assert "records" in base_events[0].asset_materialization.metadata
+    # base/orders is an executable asset: materializing a partition by hand runs the upsert and shows the hour
+    by_hand = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key="2026-01-01-02:00", asset_selection=[base])
+    (shown_base,) = [e.materialization for e in by_hand.get_asset_materialization_events() if e.materialization.partition == "2026-01-01-02:00"]
+    assert shown_base.metadata["records"].value == expected["2026-01-01-02:00"] and shown_base.metadata["finalized"].value is True
     # per-commit facts are a table-level series
     observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(cdc, limit=1000).records]
     assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)

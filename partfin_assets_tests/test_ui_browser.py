@@ -113,12 +113,12 @@ def test_demo_in_chromium(tmp_path):
     shots = shots / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     shots.mkdir(parents=True)
     print(f"\nscreenshots: {shots}")
-    # the demo's source, faster: 1 hour at once, then an event hour every 30 wall seconds until the event clock
-    # meets the wall clock (about 2 minutes), with a heavier late tail (late records come 30 s+ later)
+    # the demo's source, a bit faster: 1 hour at once, then an event hour every 3 wall minutes on a 20x event
+    # clock, a late tail below the policy's 0.1% (late records come 3+ wall minutes after their hour)
     now = datetime.now(UTC)
-    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=4)
+    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
     event_at_start = start + timedelta(hours=1)
-    source = (f"synthetic:rate=1,late_fraction=0.02,key_space=1000000,start={start:%Y-%m-%dT%H:%M:%SZ},speed=120,"
+    source = (f"synthetic:rate=4,late_fraction=0.0005,key_space=1000000,start={start:%Y-%m-%dT%H:%M:%SZ},speed=20,"
               f"speed_since={now:%Y-%m-%dT%H:%M:%SZ},speed_event={event_at_start:%Y-%m-%dT%H:%M:%SZ}")
     home = tmp_path / "partfin"
     env = dagster_processes.dagster_env(
@@ -203,7 +203,7 @@ def test_demo_in_chromium(tmp_path):
             assert "Not evaluated" not in checks
             # 4: the late_data check's history: the WARN stayed over several sync runs
             page.get_by_text("Execution history").first.click()
-            page.get_by_text("not yet re-run downstream", exact=False).first.wait_for(timeout=60_000)
+            page.get_by_text("the downstream has not run with yet", exact=False).first.wait_for(timeout=60_000)
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "4-late-data-warn-history.png"))
             # 5: base/orders: an executable asset with its latest event and partitions

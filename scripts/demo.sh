@@ -24,6 +24,7 @@ export PARTFIN_PARTITIONS_START
 # the wall clock from the demo's first start, beginning 6 hours behind it: 18 hours are there at once,
 # then an event hour ends every 2 wall minutes (hours finalize live, late records come minutes later and
 # re-run their downstream hour) until the event clock meets the wall clock (~12 minutes), where it stays.
+# A late tail (0.05% of records, 1-6 hours late) below the policy's 0.1% lets the watermark move on.
 # Event times remain the times the changes happened at the (simulated) source: never in the future.
 if [ -z "${PARTFIN_SOURCE:-}" ]; then
   source_file=$PARTFIN_HOME/demo_source
@@ -32,7 +33,7 @@ if [ -z "${PARTFIN_SOURCE:-}" ]; then
     start=$(date -u -d "@$(( now - now % 3600 - 24 * 3600 ))" +%Y-%m-%dT%H:00:00Z)
     since=$(date -u -d "@$now" +%Y-%m-%dT%H:%M:%SZ)
     behind=$(date -u -d "@$(( now - now % 3600 - 6 * 3600 ))" +%Y-%m-%dT%H:00:00Z)
-    echo "synthetic:rate=2,key_space=1000000,late_fraction=0.003,start=$start,speed=30,speed_since=$since,speed_event=$behind" > "$source_file"
+    echo "synthetic:rate=2,key_space=1000000,late_fraction=0.0005,start=$start,speed=30,speed_since=$since,speed_event=$behind" > "$source_file"
   fi
   PARTFIN_SOURCE=$(cat "$source_file")
   export PARTFIN_SOURCE

@@ -130,8 +130,8 @@ def late_data_outcome(
     return CheckOutcome(
         passed=False,
         severity=WARN,
-        description=f"{sum(open_hours.values())} late record(s) not yet re-run downstream in {len(open_hours)} hour partition(s): "
-        f"{', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
+        description=f"{sum(open_hours.values())} late record(s) in {len(open_hours)} hour partition(s) the downstream has not run "
+        f"with yet: {', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
         metadata=metadata,
     )
 

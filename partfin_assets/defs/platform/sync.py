@@ -17,7 +17,7 @@ from dagster import (
     AssetMaterialization,
     AssetObservation,
     AssetRecordsFilter,
-        DagsterRunStatus,
+    DagsterRunStatus,
     In,
     MaterializeResult,
     MetadataValue,
@@ -35,9 +35,9 @@ from dagster import (
     sensor,
 )
 
+from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
-from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
@@ -52,12 +52,12 @@ from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 
+REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
+IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+
 
 def _iso(us: int | None) -> str | None:
     return iso_z(us) if us is not None else None
-
-REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
-IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
 
 def layer_specs(table: PartfinTable) -> list:
