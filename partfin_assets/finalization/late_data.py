@@ -47,7 +47,12 @@ LATE_COLUMNS = ("snapshot_id", "sequence_number", "commit_time", "hour", "late_r
 
 def late_data(catalog: Catalog, cdc_identifier: str) -> dict[int, LateHour]:
     """Late records per hour over the table's whole history (its ledger), with the commits that brought them."""
-    rows = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS).filter(pl.col("late_records") > 0)
+    return late_by_hour_of(read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS))
+
+
+def late_by_hour_of(ledger: pl.DataFrame) -> dict[int, LateHour]:
+    """late_data of ledger rows already read (they hold at least LATE_COLUMNS)."""
+    rows = ledger.select(LATE_COLUMNS).filter(pl.col("late_records") > 0)
     found: dict[int, list[LateCommit]] = {}
     for row in rows.with_columns(pl.col("hour", "commit_time").dt.epoch("us")).iter_rows(named=True):
         found.setdefault(row["hour"], []).append(

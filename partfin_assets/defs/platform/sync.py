@@ -42,7 +42,7 @@ from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
 from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
-from partfin_assets.finalization.late_data import late_data
+from partfin_assets.finalization.late_data import late_by_hour_of
 from partfin_assets.finalization.partition_metadata import checkpoint_hours
 from partfin_assets.finalization.report import report_dir, report_is_stale, write_report
 from partfin_assets.iceberg.history import watermark_of
@@ -218,7 +218,7 @@ def build_sync_job(table: PartfinTable):
         hours = touched | set(newly_final_hours(watermark_before, watermark, table.start_us))
         logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us, {"watermark": _iso(watermark)})
         context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
-        late = late_data(iceberg, table.spec.cdc_identifier)  # the ledger, as the late_data check and `partfin status`
+        late = late_by_hour_of(ledger)  # the ledger, as the late_data check and `partfin status`
         context.log_event(
             AssetObservation(
                 asset_key=table.cdc_key,
@@ -232,17 +232,20 @@ def build_sync_job(table: PartfinTable):
             )
         )
         _log_checks(context, table, iceberg, "cdc")
-        report = report_dir(catalog.config().home) / f"{name}.html"
-        if checkpoints and report_is_stale(report, REPORT_REFRESH_SECONDS):
-            page, picture = write_report(iceberg, name, report.parent)
-            context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
-                "finalization_report": MetadataValue.path(str(page)), "finalization_report_png": MetadataValue.path(str(picture))}))
 
     @op(name=f"upsert_{name}", ins={"after": In(Nothing)}, tags={"kind": "iceberg"})
     def upsert(context: OpExecutionContext, catalog: IcebergCatalogResource) -> None:
-        """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized, and the base checks."""
+        """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized, and the base checks;
+        refresh the finalization report (`partfin report`) at most once a minute."""
 
-        upsert_and_report(context, table, catalog.load())
+        iceberg = catalog.load()
+        upsert_and_report(context, table, iceberg)
+        # last in the run: the picture never delays the base commit, hence finalization
+        report = report_dir(catalog.config().home) / f"{name}.html"
+        if report_is_stale(report, REPORT_REFRESH_SECONDS):
+            page, picture = write_report(iceberg, name, report.parent)
+            context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
+                "finalization_report": MetadataValue.path(str(page)), "finalization_report_png": MetadataValue.path(str(picture))}))
 
     @job(
         name=f"sync_{name}",
