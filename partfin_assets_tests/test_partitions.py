@@ -16,7 +16,7 @@ from partfin_assets.finalization.hour_truth import checkpoint_facts, finalizatio
 from partfin_assets.finalization.partition_metadata import checkpoint_hours, partition_counts
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.iceberg.history import lineage, summary_of, watermark_history, watermark_of
+from partfin_assets.iceberg.history import summary_of, watermark_history, watermark_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K

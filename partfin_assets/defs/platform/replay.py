@@ -69,7 +69,8 @@ def build_cdc_asset(table: PartfinTable):
                   # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
                   "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
         description=f"cdc.{name}: append-only change ledger, hidden partitioning hour({table.event_time_column}). "
-        f"Written by the `sync_{name}` job (every checkpoint reports the hours it touched). Materializing a partition "
+        f"Written by the `sync_{name}` job (every run reports each hour its commits touched or finalized, with the "
+        f"hour's totals). Materializing a partition "
         f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "
         f"OVERWRITE of the hour in cdc.{name} that keeps what the writer appends meanwhile.",
     )
