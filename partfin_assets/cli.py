@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, status, streams."""
+"""The `partfin` command: ingest, upsert, status, streams, report."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import logging
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 
+from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
-from partfin_assets.iceberg.catalog import load_existing_table, load_partfin_catalog
+from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
@@ -65,13 +67,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle.add_argument("--table", required=True)
     idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
 
+    report = commands.add_parser("report", help="a picture of finalization: an HTML page and a PNG for cdc.<table>")
+    report.add_argument("--table", required=True)
+    report.add_argument("--out", help="folder to write <table>.html and <table>.png into (default $PARTFIN_HOME/reports)")
+
     args = parser.parse_args(argv)
     secrets = (getattr(args, "source", None), *Settings.from_env().secrets())
     handler = logging.StreamHandler()
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams}[args.command](args)
+        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "report": _report}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
         return 2
@@ -194,6 +200,14 @@ def _status(args: argparse.Namespace) -> int:
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    config = CatalogConfig.from_env()
+    out = Path(args.out) if args.out else report_dir(config.home)
+    page, picture = write_report(config.load(), args.table, out)
+    print(f"cdc.{args.table}: {page} (self-contained HTML) and {picture} (PNG)")
     return 0
 
 

@@ -130,3 +130,24 @@ def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
     assert cli.main(["upsert", "--table", "orders"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "ValueError: an invariant partfin broke" in err and "partfin: error" not in err
+
+
+def test_report_writes_a_self_contained_page_and_a_png(tmp_path):
+    source = "synthetic:seed=4,start=2026-11-01T00:00:00Z,end=2026-11-01T05:00:00Z,rate=0.5,late_fraction=0.02,idle_every=off"
+    assert partfin(tmp_path, "ingest", "--table", "orders", "--source", source, "--checkpoint-records", "500").returncode == 0
+    result = partfin(tmp_path, "report", "--table", "orders", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    page, picture = tmp_path / "out" / "orders.html", tmp_path / "out" / "orders.png"
+    assert str(page) in result.stdout and str(picture) in result.stdout
+    text = page.read_text()
+    status = json.loads(partfin(tmp_path, "status", "--json").stdout)["tables"][0]
+    # the policy and watermark of the table, the four plots, plotly.js inlined (no network needed)
+    assert status["policy"] in text and status["watermark"] in text
+    for title in ("Watermark over wall time", "Finalization lag per hour", "Late records per hour", "Records per hour"):
+        assert title in text
+    assert "<script src=\"http" not in text and "Plotly.newPlot" in text
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the late records the page counts are those `partfin status` counts
+    assert f"<th>late records</th><td>{status['late_records']}</td>" in text
+    missing = partfin(tmp_path, "report", "--table", "nope")
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1

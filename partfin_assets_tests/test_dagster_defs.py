@@ -15,6 +15,7 @@ from dagster import (
 )
 
 from partfin_assets.finalization.hours import hour_key
+from partfin_assets.finalization.read_points import AMENDMENT_TAG
 from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 
@@ -105,20 +106,54 @@ def _base_watermark() -> int:
     return watermark_of(load_partfin_catalog().load_table("base.orders").properties)
 
 
-def test_sync_reports_every_hour_it_touched_with_its_metadata(synced):
-    defs, instance, table = synced
+def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
+    defs, instance, table = env
+    # every hour a run touched or finalized shows the hour's totals (from the ledger), and the run
+    # evaluates the cdc and base checks after its materializations
+    result = defs.resolve_job_def("sync_orders").execute_in_process(instance=instance)
+    assert result.success
     cdc_events = _materializations(instance, CDC)
     assert cdc_events
     meta = cdc_events[0].asset_materialization.metadata
-    for name in ("records", "event_time_min", "event_time_max", "event_time_p50", "event_time_p99", "watermark",
-                 "late_records", "lag_seconds", "finalized"):
+    for name in ("records", "late_records", "event_time_min", "event_time_max", "event_time_p50", "event_time_p99", "watermark",
+                 "finalized", "finalized_at", "finalization_lag_seconds"):
         assert name in meta, name
-    assert isinstance(meta["lag_seconds"].value, float)
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.ledger import hour_totals, read_ledger
+
+    totals = hour_totals(read_ledger(load_partfin_catalog(), "cdc.orders"))
+    expected = {hour_key(int(h.timestamp()) * 1_000_000): n for h, n in zip(totals["hour"].to_list(), totals["records"].to_list())}
+    shown = {}
+    for event in reversed(cdc_events):  # oldest first: the newest materialization of a partition wins
+        shown[event.dagster_event.partition] = event.asset_materialization.metadata["records"].value
+    assert shown == expected  # one run: each hour once, with all its records (not one checkpoint's share)
+    finals = [e.asset_materialization.metadata for e in cdc_events if e.asset_materialization.metadata["finalized"].value]
+    assert finals and all(isinstance(m["finalization_lag_seconds"].value, float) and m["finalization_lag_seconds"].value >= 0
+                          for m in finals)
     partitions = {e.dagster_event.partition for e in cdc_events}
     assert "2026-01-01-00:00" in partitions and "2026-01-01-06:00" in partitions
     base_events = _materializations(instance, BASE)
     assert {e.dagster_event.partition for e in base_events} >= {"2026-01-01-00:00", "2026-01-01-05:00"}
     assert "records" in base_events[0].asset_materialization.metadata
+    # base/orders is an executable asset: materializing a partition by hand runs the upsert and shows the hour
+    by_hand = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key="2026-01-01-02:00", asset_selection=[BASE])
+    (shown_base,) = [e.materialization for e in by_hand.get_asset_materialization_events() if e.materialization.partition == "2026-01-01-02:00"]
+    assert shown_base.metadata["records"].value == expected["2026-01-01-02:00"] and shown_base.metadata["finalized"].value is True
+    # per-commit facts are a table-level series
+    observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(CDC, limit=1000).records]
+    assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
+    # the checks ran in the sync run itself: the UI shows them on the latest materialization
+    in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
+    assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
+    assert {c for k, c in in_run if k == BASE} == {"watermark_matches_merged_cdc_snapshot", "watermark_lag_vs_cdc",
+                                                   "quarantined_changes"}
+    in_run_late = in_run[(CDC, "late_data")]
+    assert not in_run_late.passed and in_run_late.severity == AssetCheckSeverity.WARN
+    from partfin_assets.finalization.status import all_table_status
+
+    status = {s.name: s for s in all_table_status(load_partfin_catalog())}
+    assert in_run_late.metadata["late_records"].value == status["cdc.orders"].late_records  # `partfin status` agrees
 
 
 def test_finalization_sensor_requests_every_final_hour_once_in_order(synced):
@@ -201,10 +236,11 @@ def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monk
     from partfin_assets.defs import build_definitions
 
     defs, instance, table = synced
-    keys = [r.partition_key for r in _finalize(defs, instance).run_requests]
+    first = _finalize(defs, instance)
+    keys = [r.partition_key for r in first.run_requests]
     job = defs.resolve_job_def("activity_orders_job")
-    for key in keys:
-        assert job.execute_in_process(instance=instance, partition_key=key).success
+    for request in first.run_requests:
+        assert job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags).success
     open_hour = hour_key(_base_watermark())  # run too, by force
     force = RunConfig(ops={"activity__orders_hourly": {"config": {"force": True}}})
     assert job.execute_in_process(instance=instance, partition_key=open_hour, run_config=force).success
@@ -218,3 +254,33 @@ def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monk
     rerun = after.metadata["partitions_to_rerun"].value
     assert rerun and set(rerun) <= set(keys) | {open_hour}
     assert "re-run" in after.description
+
+    # the late_data WARN stays (the ledger is its evidence) until every affected hour ran again with its late rows
+    sticky = {e.check_name: e for e in checks.get_asset_check_evaluations()}["late_data"]
+    assert not sticky.passed and sticky.severity == AssetCheckSeverity.WARN
+    to_rerun = sticky.metadata["partitions_to_rerun"].value
+    assert set(rerun) <= set(to_rerun)
+    again = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
+    assert not {e.check_name: e for e in again.get_asset_check_evaluations()}["late_data"].passed  # nothing re-run: still WARN
+    # the finalization sensor amends the hours that ran before their late records came and requests them again
+    resources = later.get_repository_def().get_top_level_resources()
+    sensor = later.resolve_sensor_def("finalize_orders_sensor")
+    with build_sensor_context(instance=instance, cursor=first.cursor, resources=resources) as ctx:
+        amended = sensor(ctx)
+    for event in amended.asset_events:
+        instance.report_runless_asset_event(event)
+    requests = {r.partition_key: r for r in amended.run_requests}
+    assert set(rerun) <= set(requests)
+    amendments = [r for r in amended.run_requests if r.tags.get(AMENDMENT_TAG) == "true"]
+    assert amendments and all(r.run_key.startswith(f"orders:{r.partition_key}:amendment:") for r in amendments)
+    assert {r.partition_key for r in amendments} == set(rerun) & set(keys)
+    for key in to_rerun:
+        tags = requests[key].tags if key in requests else {}
+        assert later.resolve_job_def("activity_orders_job").execute_in_process(instance=instance, partition_key=key, tags=tags).success
+    with build_sensor_context(instance=instance, cursor=amended.cursor, resources=resources) as ctx:
+        done = sensor(ctx)
+    assert not [r for r in (done.run_requests or []) if r.tags.get(AMENDMENT_TAG) == "true"]
+    cleared = later.resolve_job_def("checks_orders").execute_in_process(instance=instance)
+    by_name = {e.check_name: e for e in cleared.get_asset_check_evaluations()}
+    assert by_name["late_data"].passed and by_name["late_data_after_run"].passed
+    assert by_name["late_data"].metadata["late_records"].value == sticky.metadata["late_records"].value  # totals stay

@@ -12,9 +12,11 @@ import pytest
 
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, is_finalized, newly_finalized
 from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
-from partfin_assets.finalization.partition_metadata import checkpoint_hours, checkpoint_reports, merge_hours, partition_counts
+from partfin_assets.finalization.hour_truth import checkpoint_facts, finalization_times, hour_truths, newly_final_hours
+from partfin_assets.finalization.partition_metadata import checkpoint_hours, partition_counts
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.iceberg.history import lineage, summary_of, watermark_history
+from partfin_assets.iceberg.history import summary_of, watermark_history, watermark_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
@@ -66,15 +68,6 @@ def test_hour_stats_are_exact_per_hour():
     assert decoded[H0 + US_PER_HOUR].records == 1 and summary[K.EVENT_TIME_COUNT] == "4"
 
 
-def test_merge_hours_sums_records_and_keeps_extremes():
-    a = EventTimeProfile.of(np.array([H0 + MIN * i for i in range(10)])).by_hour
-    b = EventTimeProfile.of(np.array([H0 + MIN * i for i in range(30, 50)])).by_hour
-    merged = merge_hours([a, b])[H0]
-    assert merged.records == 30
-    assert merged.min_us == H0 and merged.max_us == H0 + 49 * MIN
-    assert merged.min_us <= merged.p50_us <= merged.p99_us <= merged.max_us
-
-
 def test_partition_counts_parse_pyiceberg_entries():
     summary = {
         "partitions.event_time_hour=2026-01-01-10": "added-data-files=1,added-files-size=10,added-records=7",
@@ -98,22 +91,48 @@ def written(tmp_path):
     return catalog, results
 
 
-def test_checkpoint_reports_from_real_commits(written):
+def test_hour_truths_show_the_whole_hour_from_the_ledger(written):
+    """A partition shows the hour's totals over every checkpoint, not the last commit's share."""
     catalog, results = written
     table = catalog.load_table("cdc.orders")
-    total = 0
+    ledger = read_ledger(catalog, "cdc.orders")
+    per_commit: dict[int, int] = {}
     for result in results:
-        reports = checkpoint_reports("orders", result.summary, result.snapshot_id, 0)
-        total += sum(r.stats.records for r in reports)
-        for report in reports:
-            s = report.stats
-            assert s.records > 0
-            assert report.hour_us <= s.min_us <= s.p50_us <= s.p99_us <= s.max_us < report.hour_us + US_PER_HOUR
-            meta = report.metadata()
-            assert meta["hour"] == iso_z(report.hour_us) and meta["records"] == s.records
-            assert meta["finalized"] == is_finalized(report.hour_us, report.watermark_us)
-    assert total == sum(r.records for r in results)
+        for h in checkpoint_hours(result.summary):
+            per_commit[h.hour_us] = per_commit.get(h.hour_us, 0) + h.records
+    watermark = watermark_of(table.properties)
+    truths = hour_truths(ledger, per_commit, watermark)
+    assert {t.hour_us: t.records for t in truths} == per_commit
+    assert sum(t.late_records for t in truths) == sum(int(r.summary.get(K.LATE_RECORDS, "0")) for r in results)
+    assert any(per_commit[t.hour_us] > max(h.records for r in results for h in checkpoint_hours(r.summary) if h.hour_us == t.hour_us)
+               for t in truths), "some hour spans several checkpoints"
+    final = [t for t in truths if t.finalized]
+    assert final and all(is_finalized(t.hour_us, watermark) for t in final)
+    for t in truths:
+        meta = t.metadata()
+        assert meta["hour"] == iso_z(t.hour_us) and meta["records"] == t.records
+        assert t.hour_us <= t.event_time_min_us <= t.p50_us <= t.p99_us <= t.event_time_max_us < t.hour_us + US_PER_HOUR
+    for t in final:  # finalized at the commit clock of the first checkpoint whose watermark passed the hour's end
+        first = min(r.summary[K.COMMIT_CLOCK] for r in results
+                    if r.snapshot_id is not None and watermark_of(r.summary) is not None and watermark_of(r.summary) >= t.hour_us + US_PER_HOUR)
+        assert iso_z(t.finalized_at_us) == first
+        assert t.finalization_lag_seconds == pytest.approx((t.finalized_at_us - t.hour_us - US_PER_HOUR) / 1e6, abs=1e-3)
+    open_hours = [t for t in truths if not t.finalized]
+    assert all(t.metadata()["finalized_at"] is None and t.finalization_lag_seconds is None for t in open_hours)
+    # an override (base: the upsert that carried the watermark past the hour) wins
+    first_final = final[0].hour_us
+    (overridden,) = hour_truths(ledger, [first_final], watermark, {first_final: first_final + 2 * US_PER_HOUR})
+    assert overridden.finalization_lag_seconds == 3600.0
+    assert finalization_times(ledger, [watermark]) == {}  # the open hour has not finalized
     assert watermark_regressions(watermark_history(table.metadata)) == []
+    facts = checkpoint_facts(results[0].summary, to_us(datetime(2026, 1, 1, 0, 30, tzinfo=UTC)))
+    assert facts["checkpoint_id"] == int(results[0].summary[K.CHECKPOINT_ID]) and facts["records"] == results[0].records
+
+
+def test_newly_final_hours_between_two_watermarks():
+    assert newly_final_hours(H0, H0 + 3 * US_PER_HOUR, 0) == [H0, H0 + US_PER_HOUR, H0 + 2 * US_PER_HOUR]
+    assert newly_final_hours(None, H0 + US_PER_HOUR, H0) == [H0]
+    assert newly_final_hours(H0, H0, 0) == [] and newly_final_hours(H0, None, 0) == []
 
 
 def test_late_data_per_hour_names_commits(written):
@@ -136,11 +155,9 @@ def test_watermark_regressions_found():
 def test_rewrites_and_replays_are_not_counted_as_new_records(written):
     """Compaction, privacy delete and replay commits of cdc add files too; only INTO records are new.
 
-    upsert_reports merges the per-hour stats of every cdc snapshot an upsert read: PyIceberg's
-    `partitions.*` added-records of a compaction (or a delete's rewritten files, or a replayed
-    hour's whole content) must not show up as new records of base partitions.
+    PyIceberg's `partitions.*` added-records of a compaction (or a delete's rewritten files, or a
+    replayed hour's whole content) must not show up as new records of an hour.
     """
-    from partfin_assets.finalization.partition_metadata import new_record_hours, new_records_by_hour, upsert_reports
     from partfin_assets.jobs.compaction import compact
     from partfin_assets.jobs.privacy import privacy_delete
     from partfin_assets.jobs.replay import replay_hour
@@ -150,14 +167,12 @@ def test_rewrites_and_replays_are_not_counted_as_new_records(written):
     ingested = sum(r.records for r in results)
     into = [r.summary for r in results if r.snapshot_id is not None]
     assert sum(s.records for summary in into for s in checkpoint_hours(summary)) == ingested
-    assert all(new_record_hours(summary) == checkpoint_hours(summary) for summary in into)
 
     assert compact(catalog, "cdc.orders").snapshot_id is not None
     table = catalog.load_table("cdc.orders")
     compaction = summary_of(table.current_snapshot())
     assert compaction[K.JOB_KIND] == "MERGE" and any(k.startswith("partitions.") for k in compaction)
     assert sum(h.records for h in checkpoint_hours(compaction)) > 0  # PyIceberg counts the rewritten records
-    assert new_records_by_hour(compaction) == {} and new_record_hours(compaction) == []
 
     # a replay of the first hour with its own records plus 2 new ones: 2 new records, in that hour only
     rows = table.scan().to_arrow()
@@ -176,18 +191,17 @@ def test_rewrites_and_replays_are_not_counted_as_new_records(written):
     assert partition_counts(replay)[first_hour] == in_hour.num_rows + 2  # PyIceberg counts the whole hour
     # the replay's partition metadata shows the hour's content; only 2 records are new
     assert [(h.hour_us, h.records) for h in checkpoint_hours(replay)] == [(first_hour, in_hour.num_rows + 2)]
-    hours = new_record_hours(replay)
-    assert [(h.hour_us, h.records) for h in hours] == [(first_hour, 2)]
-    assert hours[0].min_us is not None  # event-time stats of the hour's content stay
 
     key = json.loads(in_hour.column("key")[0].as_py())
     deleted = privacy_delete(catalog, "orders", [key], request_id="r1")
     assert deleted.cdc_deleted > 0
     delete = summary_of(catalog.load_table("cdc.orders").current_snapshot())
-    assert delete[K.JOB_KIND] == "UPDATE/DELETE" and new_record_hours(delete) == []
+    assert delete[K.JOB_KIND] == "UPDATE/DELETE"
 
-    reports = upsert_reports("orders", [*into, compaction, replay, delete], [], 1, None, 0)
-    assert sum(r.stats.records for r in reports) == ingested + 2
+    # the hours' totals come from the ledger: checkpoints and replays, never compactions or deletes
+    ledger = read_ledger(catalog, "cdc.orders")
+    hours = {h.hour_us for r in results for h in checkpoint_hours(r.summary)}
+    assert sum(t.records for t in hour_truths(ledger, hours, None)) == ingested + 2
 
 
 def test_not_finalized_reason_names_hour_and_watermark():

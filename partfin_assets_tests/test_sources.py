@@ -459,7 +459,8 @@ def test_make_source_debezium_with_primary_key_text(tmp_path):
         ("kafka:orders", "expected kafka:BOOTSTRAP#TOPIC"),
         ("kafka:broker:9092#orders,sasl.password=hunter2", "in the environment as PARTFIN_KAFKA_SASL_PASSWORD"),
         ("kafka:broker:9092#orders,enable.auto.commit=true", "set by partfin"),
-        ("synthetic:speed=3", "unknown synthetic option 'speed'"),
+        ("synthetic:pace=3", "unknown synthetic option 'pace'"),
+        ("synthetic:speed=3", "speed needs start"),
         ("synthetic:seed", "option 'seed' is not name=value"),
         ("synthetic:rate=fast", "option rate"),
         ("synthetic:heartbeat_every=soon", "not a duration"),
@@ -483,3 +484,20 @@ def test_make_source_synthetic_refuses_a_table_it_cannot_feed():
     read_back_columns = {**ORDERS_SPEC.columns, "status": pa.large_string()}
     read_back = TableSpec(name="orders_demo", primary_key=("id",), columns=read_back_columns)
     assert isinstance(make_source("synthetic", read_back), SyntheticSource)
+
+
+def test_synthetic_on_an_accelerated_clock_emits_the_same_stream_sooner_and_never_from_the_future():
+    """The demo's event clock: 60x wall speed from `speed_since`, capped at the wall clock."""
+    wall = [T0 + timedelta(hours=5)]  # the wall clock; the event clock reads T0 + 1h then
+    spec = f"synthetic:seed=5,start={T0.isoformat()},speed=60,speed_since={wall[0].isoformat()},speed_event={(T0 + timedelta(hours=1)).isoformat()}"
+    source = make_source(spec, ORDERS_SPEC, clock=lambda: wall[0])
+    first = read_all(source, max_records=100_000)
+    assert max(b.heartbeat for b in first) <= T0 + timedelta(hours=1)
+    wall[0] += timedelta(minutes=2)  # two wall minutes: two more event hours
+    later = read_all(source, first[-1].offset, max_records=100_000)
+    assert T0 + timedelta(hours=2, minutes=55) < max(b.heartbeat for b in later) <= T0 + timedelta(hours=3)
+    plain = read_all(synthetic(seed=5, hours=3), max_records=100_000)  # event times do not depend on the pace
+    assert identity_rows(first + later) == identity_rows(plain)[: records(first + later).num_rows]
+    wall[0] += timedelta(hours=1)  # 60 event hours later the event clock would pass the wall clock: it stops there
+    caught_up = read_all(source, later[-1].offset, max_records=1_000_000)
+    assert max(b.heartbeat for b in caught_up) <= wall[0]

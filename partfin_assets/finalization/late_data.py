@@ -58,7 +58,12 @@ def late_data(
         row_filter = And(row_filter, GreaterThan("sequence_number", after_sequence))
     if up_to_sequence is not None:
         row_filter = And(row_filter, LessThanOrEqual("sequence_number", up_to_sequence))
-    rows = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS, row_filter=row_filter)
+    return late_by_hour_of(read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS, row_filter=row_filter))
+
+
+def late_by_hour_of(ledger: pl.DataFrame) -> dict[int, LateHour]:
+    """late_data of ledger rows already read (they hold at least LATE_COLUMNS)."""
+    rows = ledger.select(LATE_COLUMNS).filter(pl.col("late_records") > 0)
     found: dict[int, list[LateCommit]] = {}
     for row in rows.with_columns(pl.col("hour", "commit_time").dt.epoch("us")).iter_rows(named=True):
         found.setdefault(row["hour"], []).append(

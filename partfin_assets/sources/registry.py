@@ -56,6 +56,9 @@ _SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
     "idle_every": _optional_duration,
     "idle_for": parse_duration,
     "heartbeat_every": parse_duration,
+    "speed": float,
+    "speed_since": parse_iso,
+    "speed_event": parse_iso,
 }
 
 

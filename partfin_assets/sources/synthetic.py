@@ -47,6 +47,19 @@ _LATENESS_SIGMA = 1.5  # log-normal body: ~99.9% of on-time events arrive within
 _LATE_TAIL_ALPHA = 1.5  # Pareto tail of the rare hours-late events
 
 
+def accelerated_clock(wall: Callable[[], datetime], speed: float, since: datetime, event_at_since: datetime) -> Callable[[], datetime]:
+    """An event clock that runs `speed` times faster than `wall` from wall time `since`, where it reads
+    `event_at_since`, and never passes the wall clock (then it goes on at wall speed: events never come
+    from the future). A demo's hours then end every 60/speed minutes of wall time while event time
+    stays what it is: the time the change happened at the (simulated) source."""
+
+    def clock() -> datetime:
+        now = wall()
+        return min(now, event_at_since + (now - since) * speed)
+
+    return clock
+
+
 def _us(duration: timedelta) -> int:
     return round(duration.total_seconds() * US_PER_SECOND)
 
@@ -106,6 +119,10 @@ class SyntheticSource:
     data). The offset is compact JSON {"anchor_us", "next" (events emitted, in
     arrival order), "clock_us"}; resuming regenerates the same stream from the
     anchor and skips what was emitted.
+
+    `speed` (with `speed_since`, a wall time, and optionally `speed_event`, the event time the clock
+    reads then; default `start`) paces arrivals on an accelerated clock (accelerated_clock); the
+    stream itself -- events, event times, arrival order -- does not depend on it.
     """
 
     kind = "synthetic"
@@ -127,6 +144,9 @@ class SyntheticSource:
         heartbeat_every: timedelta = timedelta(minutes=1),
         clock: Callable[[], datetime] = now_utc,
         sleep: Callable[[float], None] = time.sleep,
+        speed: float = 1.0,
+        speed_since: datetime | None = None,
+        speed_event: datetime | None = None,
     ) -> None:
         if rate <= 0:
             raise SourceError(f"rate must be positive, got {rate}")
@@ -143,6 +163,12 @@ class SyntheticSource:
             raise SourceError(f"heartbeat_every must be positive, got {heartbeat_every}")
         if follow and end is not None:
             raise SourceError("a following source has no end")
+        if speed != 1.0:
+            if speed <= 0:
+                raise SourceError(f"speed must be positive, got {speed}")
+            if start is None or speed_since is None:
+                raise SourceError("speed needs start (the history) and speed_since (the wall time the faster clock starts)")
+            clock = accelerated_clock(clock, speed, speed_since, speed_event or start)
         self.seed = seed
         self.rate = rate
         self.follow = follow

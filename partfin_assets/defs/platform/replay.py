@@ -16,16 +16,18 @@ replay reads only what the writer committed, so the writer never appends a recor
 """
 
 
-from dagster import AssetExecutionContext, Failure, MaterializeResult, asset
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from partfin_assets.defs.force import ForceConfig, refused
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key
-from partfin_assets.finalization.partition_metadata import checkpoint_reports
-from partfin_assets.iceberg.catalog import load_table_if_exists
-from partfin_assets.iceberg.history import summary_of
+from partfin_assets.finalization.hour_truth import hour_truths
+from partfin_assets.finalization.report import report_dir
+from partfin_assets.iceberg.catalog import CatalogConfig, load_table_if_exists
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.replay import ReplayRefused, ReplayResult, replay_hour_from_history
 from partfin_assets.model.source_identity import ReplayNotPossible
 from partfin_assets.model.timeutil import iso_z
@@ -39,17 +41,15 @@ def replay_pool(table: PartfinTable) -> str:
     return f"partfin_replay_{table.name}"
 
 
-def replay_metadata(name: str, result: ReplayResult, summary: dict[str, str] | None, committed_at_us: int) -> dict:
-    """The partition metadata of the replayed hour (as for a checkpoint) plus the replay's own figures.
-
-    `records` is what the hour holds after the replay; `added_records` / `removed_records`
-    compare it with what it held before (by key and source position).
-    """
-    out: dict = {}
-    if summary is not None:
-        for report in checkpoint_reports(name, summary, result.snapshot_id, committed_at_us):
-            out.update(report.metadata())
-    out.update({k: v for k, v in result.metadata().items() if k != "table"})
+def replay_metadata(iceberg, name: str, hour_us: int, result: ReplayResult) -> dict:
+    """The partition metadata of the replayed hour (the hour's totals, as the sync job reports them) plus the
+    replay's own figures: `replay_records` is what the hour holds after the replay; `added_records` /
+    `removed_records` compare it with what it held before (by key and source position)."""
+    cdc = iceberg.load_table(f"cdc.{name}")
+    watermark = watermark_of(cdc.properties)
+    (truth,) = hour_truths(read_ledger(iceberg, f"cdc.{name}"), [hour_us], watermark)
+    out: dict = {**truth.metadata(), "watermark": iso_z(watermark) if watermark is not None else None}
+    out.update({("replay_records" if k == "records" else k): v for k, v in result.metadata().items() if k != "table"})
     out["iceberg_table"] = result.table
     return out
 
@@ -65,9 +65,12 @@ def build_cdc_asset(table: PartfinTable):
         kinds={"iceberg"},
         pool=replay_pool(table),
         tags={"partfin/table": name},
-        metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy},
+        metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy,
+                  # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
+                  "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
         description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). "
-        f"Written by the `sync_{name}` job (every checkpoint reports the hours it touched). Materializing a partition "
+        f"Written by the `sync_{name}` job (every run reports each hour its commits touched or finalized, with the "
+        f"hour's totals). Materializing a partition "
         f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "
         f"OVERWRITE of the hour in cdc.{name} that keeps what the writer appends meanwhile.",
     )
@@ -87,17 +90,11 @@ def build_cdc_asset(table: PartfinTable):
             raise refused(str(exc), table.cdc_key) from None
         except ReplayNotPossible as exc:
             raise Failure(description=str(exc), allow_retries=False) from None
-        summary, committed_at = None, 0
-        if result.snapshot_id is not None:
-            snapshot = iceberg.load_table(f"cdc.{name}").metadata.snapshot_by_id(result.snapshot_id)
-            if snapshot is not None:
-                summary = summary_of(snapshot)
-                committed_at = snapshot.timestamp_ms * 1000
         context.log.info(
             f"replayed {iso_z(hour)} of cdc.{name} from {result.history}: {result.records} records ({result.added_records} "
             f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
             f"{result.late_records} late), snapshot {result.snapshot_id}"
         )
-        return MaterializeResult(metadata=replay_metadata(name, result, summary, committed_at))
+        return MaterializeResult(metadata=replay_metadata(iceberg, name, hour, result))
 
     return cdc

@@ -1,20 +1,26 @@
 """cdc/<table> and base/<table>: the CDC writer and the upsert, run by Dagster on a short cadence.
 
-Both layers are stream-fed and hourly partitioned: the sync job's ops report, per commit, a
-materialization for every hour partition the commit touched (records, event-time
-min/max/p50/p99, watermark, late records, lag, finalized). base/<table> is an asset spec;
-cdc/<table> is an executable asset whose own materialization replays an hour from the source
-(defs/platform/replay.py). A conflict of the upsert (CommitConflictError) retries the upsert op.
+Both layers are stream-fed and hourly partitioned. After its commits, a sync run reports one
+materialization per hour partition it touched or finalized, showing the whole hour from the
+late-data ledger (finalization/hour_truth.py: records, late records, event-time p50/p99,
+finalized, finalized_at, finalization lag), one observation per checkpoint on cdc/<table>
+(checkpoint id, commit latency, watermark), and then the layer's checks (so the latest
+materialization always carries its check results). Both are executable assets too: a manual
+materialization of cdc/<table> replays the hour (defs/platform/replay.py), one of base/<table>
+runs the upsert now. A conflict of the upsert (CommitConflictError) retries the upsert op.
 """
 
 import time
 
 from dagster import (
+    AssetExecutionContext,
     AssetMaterialization,
     AssetObservation,
-    AssetSpec,
+    AssetRecordsFilter,
     DagsterRunStatus,
     In,
+    MaterializeResult,
+    MetadataValue,
     Nothing,
     OpExecutionContext,
     Out,
@@ -22,71 +28,146 @@ from dagster import (
     RunsFilter,
     SensorEvaluationContext,
     SkipReason,
+    asset,
     in_process_executor,
     job,
     op,
     sensor,
 )
 
+from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
-from partfin_assets.finalization.hours import lag_seconds
-from partfin_assets.finalization.late_data import late_data
-from partfin_assets.finalization.partition_metadata import PartitionReport, checkpoint_reports, upsert_reports
-from partfin_assets.iceberg.history import summary_of, watermark_of
+from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
+from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
+from partfin_assets.finalization.late_data import late_by_hour_of
+from partfin_assets.finalization.partition_metadata import checkpoint_hours
+from partfin_assets.finalization.report import report_dir, report_is_stale, write_report
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.upsert import run_upsert
-from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 
+REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 
 
+def _iso(us: int | None) -> str | None:
+    return iso_z(us) if us is not None else None
+
+
 def layer_specs(table: PartfinTable) -> list:
-    """cdc/<table> (an executable asset: a manual materialization replays the hour, defs/platform/replay.py)
-    and base/<table> (a spec: only the sync job's upsert writes it)."""
-    partitions = table.partitions_def()
-    return [
-        build_cdc_asset(table),
-        AssetSpec(
-            table.base_key,
-            deps=[table.cdc_key],
-            description=f"base.{table.name}: current state, upserted (last writer wins) from cdc.{table.name}; "
-            "carries the watermark of the CDC snapshot it merged.",
-            group_name="platform",
-            owners=[table.platform_owner],
-            kinds={"iceberg"},
-            partitions_def=partitions,
-            metadata={"iceberg_table": f"base.{table.name}", "primary_key": ",".join(table.spec.primary_key)},
-        ),
-    ]
+    """cdc/<table> (a manual materialization replays the hour, defs/platform/replay.py) and base/<table>
+    (a manual materialization runs the upsert now); both are reported per hour by the sync job."""
+    return [build_cdc_asset(table), build_base_asset(table)]
 
 
-def _reportable(table: PartfinTable, report: PartitionReport, now_us: int) -> bool:
+def build_base_asset(table: PartfinTable):
+    name = table.name
+
+    @asset(
+        key=table.base_key,
+        deps=[table.cdc_key],
+        partitions_def=table.partitions_def(),
+        group_name="platform",
+        owners=[table.platform_owner],
+        kinds={"iceberg"},
+        tags={"partfin/table": name},
+        metadata={"iceberg_table": f"base.{name}", "primary_key": ",".join(table.spec.primary_key)},
+        description=f"base.{name}: current state, upserted (last writer wins) from cdc.{name}; carries the watermark of "
+        f"the CDC snapshot it merged. The `sync_{name}` job's upsert reports every hour it changed or finalized; "
+        f"materializing a partition by hand runs that upsert now (it merges every new CDC snapshot, whatever the hour) "
+        "and shows the partition's hour.",
+    )
+    def base(context: AssetExecutionContext, catalog: IcebergCatalogResource) -> MaterializeResult:
+        hour = hour_from_key(context.partition_key)
+        iceberg = catalog.load()
+        truths = upsert_and_report(context, table, iceberg, skip_hours={hour})
+        if hour not in truths:
+            watermark = watermark_of(iceberg.load_table(f"base.{name}").properties)
+            truths[hour] = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), [hour], watermark,
+                                       _previous_finalized_at(context, table.base_key, [hour]))[0]
+        return MaterializeResult(metadata=truths[hour].metadata())
+
+    return base
+
+
+def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int] = frozenset()) -> dict[int, HourTruth]:
+    """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized (but `skip_hours`,
+    which the caller reports itself) and the base checks. Returns the hours' truths."""
+    name = table.name
+    before = ensure_base_table(iceberg, table.spec)
+    watermark_before = watermark_of(before.properties)
+    with retry_on_conflict(context, f"upsert into base.{name}"):  # a new job: re-planned from a fresh snapshot
+        result = run_upsert(iceberg, name)
+    context.log.info(result.describe())
+    truths: dict[int, HourTruth] = {}
+    if result.base_snapshot_id is not None:
+        base = iceberg.load_table(f"base.{name}")
+        snapshot = base.metadata.snapshot_by_id(result.base_snapshot_id)
+        committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
+        watermark = watermark_of(base.properties)
+        newly_final = newly_final_hours(watermark_before, watermark, table.start_us)
+        touched = {to_us(parse_iso(h)) for h in result.hours_touched}
+        # base finalizes when the upsert carries the watermark past the hour: this commit, or an earlier one
+        finalized_at = _previous_finalized_at(context, table.base_key, sorted(touched - set(newly_final)))
+        finalized_at.update({h: committed_at for h in newly_final})
+        found = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
+        truths = {t.hour_us: t for t in found}
+        _log_hours(context, table, table.base_key, [t for t in found if t.hour_us not in skip_hours], to_us(now_utc()), {
+            "watermark": _iso(watermark),
+            "base_snapshot_id": result.base_snapshot_id,
+            "cdc_snapshot_id": result.cdc_snapshot_id,
+        })
+    _log_checks(context, table, iceberg, "base")
+    return truths
+
+
+def _reportable(table: PartfinTable, hour_us: int, now_us: int) -> bool:
     """Only hours that exist as partitions (from the start date up to the current hour)."""
-    return table.start_us <= report.hour_us <= floor_hour_us(now_us)
+    return table.start_us <= hour_us <= floor_hour_us(now_us)
 
 
-def _log_reports(context: OpExecutionContext, table: PartfinTable, asset_key, reports: list[PartitionReport], now_us: int) -> int:
+def _log_hours(context: OpExecutionContext, table: PartfinTable, asset_key, truths: list[HourTruth], now_us: int, extra: dict) -> int:
+    """One materialization per hour partition, showing the whole hour (finalization/hour_truth.py)."""
     logged = 0
-    for report in reports:
-        if not _reportable(table, report, now_us):
-            context.log.warning(f"{asset_key.to_user_string()}: hour {iso_z(report.hour_us)} is outside the partitions; not reported")
+    for truth in truths:
+        if not _reportable(table, truth.hour_us, now_us):
+            context.log.warning(f"{asset_key.to_user_string()}: hour {iso_z(truth.hour_us)} is outside the partitions; not reported")
             continue
         context.log_event(
             AssetMaterialization(
                 asset_key=asset_key,
-                partition=report.partition_key,
-                description=f"{asset_key.to_user_string()} partition {report.partition_key}: {report.stats.records} record(s) "
-                f"by snapshot {report.snapshot_id}, finalized: {report.finalized}",
-                metadata=report.metadata(),
+                partition=truth.partition_key,
+                description=f"{asset_key.to_user_string()} partition {truth.partition_key}: {truth.records} record(s) in the hour, "
+                f"{truth.late_records} late, finalized: {truth.finalized}",
+                metadata={**truth.metadata(), **extra},
             )
         )
         logged += 1
     return logged
+
+
+def _log_checks(context: OpExecutionContext, table: PartfinTable, iceberg, layer: str) -> None:
+    """The layer's checks, evaluated in this run after its materializations (metadata and ledger only)."""
+    for evaluation in sync_check_evaluations(table, iceberg, context.instance, layer):
+        context.log_event(evaluation)
+
+
+def _previous_finalized_at(context: OpExecutionContext, key, hours: list[int]) -> dict[int, int]:
+    """finalized_at that earlier materializations of these partitions recorded (base hours touched again by late data)."""
+    out = {}
+    for hour in hours:
+        records = context.instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[hour_key(hour)]), limit=1).records
+        materialization = records[0].event_log_entry.asset_materialization if records else None
+        value = materialization.metadata.get("finalized_at") if materialization else None
+        if value is not None and isinstance(value.value, str):
+            out[hour] = to_us(parse_iso(value.value))
+    return out
 
 
 def build_sync_job(table: PartfinTable):
@@ -94,7 +175,8 @@ def build_sync_job(table: PartfinTable):
 
     @op(name=f"ingest_{name}", out=Out(Nothing), tags={"kind": "iceberg"})
     def ingest(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource) -> None:
-        """Run the CDC writer: up to N checkpoints, one Iceberg commit each, from the committed offset."""
+        """Run the CDC writer: up to N checkpoints, one Iceberg commit each, from the committed offset; then report
+        every hour they touched or finalized with the hour's totals, and evaluate the cdc checks."""
         iceberg = catalog.load()
         writer = CdcWriter(
             iceberg,
@@ -103,11 +185,13 @@ def build_sync_job(table: PartfinTable):
             subtasks=cdc_source.subtasks,
             heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
         )
+        watermark_before = watermark_of(writer.table.properties)
+        touched: set[int] = set()
         source = None
+        checkpoints = 0
         try:
             with cdc_source.redacted():  # a source may fail with its DSN in the message
                 source = cdc_source.open(table)
-                checkpoints = 0
                 started = time.monotonic()
                 for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
                     checkpoints += 1
@@ -118,71 +202,50 @@ def build_sync_job(table: PartfinTable):
                         continue
                     snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
                     committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
-                    reports = checkpoint_reports(name, result.summary, result.snapshot_id, committed_at)
-                    logged = _log_reports(context, table, table.cdc_key, reports, committed_at)
-                    context.log.info(
-                        f"checkpoint {result.checkpoint_id}: {result.records} records, {logged} hour partition(s), "
-                        f"watermark {result.summary.get(K.WATERMARK)}, late {result.summary.get(K.LATE_RECORDS, '0')}"
-                    )
+                    hours = [h.hour_us for h in checkpoint_hours(result.summary)]
+                    touched.update(hours)
+                    # per-commit facts: a table-level time series (the hours show their totals below)
+                    context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
+                        **checkpoint_facts(result.summary, committed_at), "snapshot_id": result.snapshot_id, "hours_touched": len(hours)}))
         finally:
-            writer.close()
+            writer.close()  # records the pending checkpoints in the ledger
             close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
             if close is not None:
                 close()
         watermark = watermark_of(writer.table.properties)
         now_us = to_us(now_utc())
-        late = late_data(iceberg, table.spec.cdc_identifier)  # the ledger, as the late_data check and `partfin status`
+        ledger = read_ledger(iceberg, table.spec.cdc_identifier)
+        hours = touched | set(newly_final_hours(watermark_before, watermark, table.start_us))
+        logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us, {"watermark": _iso(watermark)})
+        context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
+        late = late_by_hour_of(ledger)  # the ledger, as the late_data check and `partfin status`
         context.log_event(
             AssetObservation(
                 asset_key=table.cdc_key,
-                metadata=
-                    {
-                        "watermark": iso_z(watermark) if watermark is not None else None,
-                        "watermark_lag_seconds": lag_seconds(watermark, now_us),
-                        "checkpoints_this_run": checkpoints,
-                        "late_records_total": sum(h.records for h in late.values()),
-                        "late_partitions": len(late),
-                    }
-                ,
+                metadata={
+                    "watermark": _iso(watermark),
+                    "watermark_lag_seconds": lag_seconds(watermark, now_us),
+                    "checkpoints_this_run": checkpoints,
+                    "late_records_total": sum(h.records for h in late.values()),
+                    "late_partitions": len(late),
+                },
             )
         )
+        _log_checks(context, table, iceberg, "cdc")
 
     @op(name=f"upsert_{name}", ins={"after": In(Nothing)}, tags={"kind": "iceberg"})
     def upsert(context: OpExecutionContext, catalog: IcebergCatalogResource) -> None:
-        """Merge new CDC snapshots into base.<table>; report the base hours it changed."""
+        """Merge new CDC snapshots into base.<table>; report the base hours it changed or finalized, and the base checks;
+        refresh the finalization report (`partfin report`) at most once a minute."""
 
         iceberg = catalog.load()
-        ensure_base_table(iceberg, table.spec)
-        with retry_on_conflict(context, f"upsert into base.{name}"):  # a new job: re-planned from a fresh snapshot
-            result = run_upsert(iceberg, name)
-        context.log.info(result.describe())
-        if result.base_snapshot_id is None:
-            return
-        cdc = iceberg.load_table(f"cdc.{name}")
-        summaries = []
-        for snapshot_id in result.cdc_snapshot_ids_merged:
-            snapshot = cdc.metadata.snapshot_by_id(snapshot_id)
-            if snapshot is not None:
-                summaries.append(summary_of(snapshot))
-        base = iceberg.load_table(f"base.{name}")
-        snapshot = base.metadata.snapshot_by_id(result.base_snapshot_id)
-        committed_at = snapshot.timestamp_ms * 1000 if snapshot else 0
-        watermark = to_us(parse_iso(result.watermark)) if result.watermark else None
-        reports = upsert_reports(
-            name,
-            summaries,
-            [to_us(parse_iso(h)) for h in result.hours_touched],
-            result.base_snapshot_id,
-            watermark,
-            committed_at,
-            extra={
-                "cdc_snapshot_id": result.cdc_snapshot_id,
-                "run_inserted": result.inserted,
-                "run_updated": result.updated,
-                "run_deleted": result.deleted,
-            },
-        )
-        _log_reports(context, table, table.base_key, reports, committed_at)
+        upsert_and_report(context, table, iceberg)
+        # last in the run: the picture never delays the base commit, hence finalization
+        report = report_dir(catalog.config().home) / f"{name}.html"
+        if report_is_stale(report, REPORT_REFRESH_SECONDS):
+            page, picture = write_report(iceberg, name, report.parent)
+            context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
+                "finalization_report": MetadataValue.path(str(page)), "finalization_report_png": MetadataValue.path(str(picture))}))
 
     @job(
         name=f"sync_{name}",

@@ -1,0 +1,163 @@
+"""A picture of finalization: `partfin report --table T` -> a self-contained HTML page (plotly) and a PNG (matplotlib).
+
+Everything is read from the late-data ledger and table properties (no data files):
+
+- the watermark over wall time: each checkpoint's commit clock (x) against the watermark it
+  recorded (y), with the wall clock itself (y = x) for reference: the gap between them is how
+  far event-time completeness trails real time;
+- finalization lag per hour: when the hour finalized minus the hour's end (finalization/hour_truth.py);
+- late records per hour, and records per hour;
+- the current policy and watermark.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.finalization.hour_truth import HourTruth, hour_truths
+from partfin_assets.finalization.hours import finalized_through
+from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.history import watermark_of
+from partfin_assets.iceberg.ledger import read_ledger
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import from_us, iso_z
+
+
+@dataclass(frozen=True)
+class FinalizationPicture:
+    table: str
+    policy: str | None
+    watermark_us: int | None
+    steps: list[tuple[datetime, datetime]]  # (commit clock, watermark recorded), in commit order
+    hours: list[HourTruth]
+
+    @property
+    def hour_times(self) -> list[datetime]:
+        return [from_us(h.hour_us) for h in self.hours]
+
+    def facts(self) -> dict[str, str]:
+        final = finalized_through(self.watermark_us)
+        return {
+            "table": f"cdc.{self.table}",
+            "watermark policy": self.policy or "-",
+            "watermark": iso_z(self.watermark_us) if self.watermark_us is not None else "-",
+            "finalized through": iso_z(final) if final is not None else "-",
+            "hours": str(len(self.hours)),
+            "records": str(sum(h.records for h in self.hours)),
+            "late records": str(sum(h.late_records for h in self.hours)),
+        }
+
+
+def finalization_picture(catalog: Catalog, name: str) -> FinalizationPicture:
+    cdc = load_existing_table(catalog, f"cdc.{name}")
+    ledger = read_ledger(catalog, f"cdc.{name}")
+    watermark = watermark_of(cdc.properties)
+    steps_frame = (
+        ledger.filter(pl.col("watermark").is_not_null())
+        .group_by("stream", "checkpoint_id")
+        .agg(pl.col("commit_time").first(), pl.col("watermark").first())
+        .sort("commit_time")
+    )
+    steps = list(zip(steps_frame["commit_time"].to_list(), steps_frame["watermark"].to_list()))
+    hours = ledger.filter(pl.col("hour").is_not_null())["hour"].dt.epoch("us").unique().to_list()
+    return FinalizationPicture(name, cdc.properties.get(K.PROP_WATERMARK_POLICY), watermark, steps, hour_truths(ledger, hours, watermark))
+
+
+def _lags(picture: FinalizationPicture) -> list[float | None]:
+    return [h.finalization_lag_seconds for h in picture.hours]
+
+
+def write_html(picture: FinalizationPicture, path: Path) -> Path:
+    """One self-contained page (plotly.js inlined): opens without a network."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(
+        rows=4, cols=1, vertical_spacing=0.07,
+        subplot_titles=("Watermark over wall time", "Finalization lag per hour (s): finalized_at - hour end",
+                        "Late records per hour", "Records per hour"),
+    )
+    if picture.steps:
+        clock, watermark = zip(*picture.steps)
+        fig.add_trace(go.Scatter(x=clock, y=watermark, mode="lines", line_shape="hv", name="watermark"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[clock[0], clock[-1]], y=[clock[0], clock[-1]], mode="lines", name="wall clock (y = x)",
+                                 line={"dash": "dot"}), row=1, col=1)
+    times = picture.hour_times
+    fig.add_trace(go.Bar(x=times, y=_lags(picture), name="finalization lag (s)"), row=2, col=1)
+    fig.add_trace(go.Bar(x=times, y=[h.late_records for h in picture.hours], name="late records"), row=3, col=1)
+    fig.add_trace(go.Bar(x=times, y=[h.records for h in picture.hours], name="records"), row=4, col=1)
+    fig.update_layout(height=1300, showlegend=True, margin={"t": 60})
+    fig.update_xaxes(title_text="commit clock (wall time, UTC)", row=1, col=1)
+    fig.update_yaxes(title_text="watermark (event time, UTC)", row=1, col=1)
+    for row in (2, 3, 4):
+        fig.update_xaxes(title_text="event hour (UTC)", row=row, col=1)
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in picture.facts().items())
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>partfin finalization report: cdc.{html.escape(picture.table)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}th{text-align:left;padding-right:2em}</style></head><body>"
+        f"<h1>Finalization of cdc.{html.escape(picture.table)}</h1><table id='policy'>{rows}</table>"
+        + fig.to_html(full_html=False, include_plotlyjs=True)
+        + "</body></html>"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def write_png(picture: FinalizationPicture, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(11, 15), constrained_layout=True)
+    policy = picture.facts()
+    fig.suptitle(f"cdc.{picture.table}: policy {policy['watermark policy']}, watermark {policy['watermark']}")
+    ax = axes[0]
+    if picture.steps:
+        clock, watermark = zip(*picture.steps)
+        ax.step(clock, watermark, where="post", label="watermark")
+        ax.plot([clock[0], clock[-1]], [clock[0], clock[-1]], linestyle=":", label="wall clock (y = x)")
+        ax.legend()
+    ax.set_title("Watermark over wall time")
+    ax.set_xlabel("commit clock (UTC)")
+    ax.set_ylabel("watermark (event time, UTC)")
+    times = picture.hour_times
+    width = 1 / 30  # days: a bar of two minutes per hour keeps hours apart
+    for ax, values, title in (
+        (axes[1], [v if v is not None else 0 for v in _lags(picture)], "Finalization lag per hour (s)"),
+        (axes[2], [h.late_records for h in picture.hours], "Late records per hour"),
+        (axes[3], [h.records for h in picture.hours], "Records per hour"),
+    ):
+        ax.bar(times, values, width=width)
+        ax.set_title(title)
+        ax.set_xlabel("event hour (UTC)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_report(catalog: Catalog, name: str, out_dir: Path) -> tuple[Path, Path]:
+    """Write <out_dir>/<name>.html and <out_dir>/<name>.png; returns their paths."""
+    picture = finalization_picture(catalog, name)
+    return write_html(picture, out_dir / f"{name}.html"), write_png(picture, out_dir / f"{name}.png")
+
+
+def report_dir(home: Path) -> Path:
+    """Where reports go by default: $PARTFIN_HOME/reports."""
+    return home / "reports"
+
+
+def report_is_stale(path: Path, max_age_s: float) -> bool:
+    """Whether a report file is missing or older than `max_age_s` (the sync job refreshes it at most that often)."""
+    import time
+
+    return not path.exists() or time.time() - path.stat().st_mtime > max_age_s

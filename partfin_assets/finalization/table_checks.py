@@ -1,0 +1,203 @@
+"""The asset checks' logic, free of Dagster: table properties, snapshot summaries and the late-data ledger only.
+
+The Dagster layer evaluates them twice: in the checks job, and inside every sync run right after
+the materializations it reports (so the latest materialization of cdc/<table> and base/<table>
+always carries its check results). Both wrap the same `CheckOutcome`.
+
+cdc:  watermark_fresh, watermark_monotonic, late_data, rejected_input
+base: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
+downstream: late_data_after_run (its inputs -- what each downstream run saw -- come from Dagster)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.finalization.hours import hour_key, lag_seconds
+from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
+from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, now_utc, to_us
+
+MAX_LISTED = 24  # hours / commits listed in check metadata
+WARN, ERROR = "WARN", "ERROR"
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    passed: bool
+    description: str
+    severity: str = ERROR  # WARN | ERROR (Dagster's AssetCheckSeverity names)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DownstreamRun:
+    """The latest downstream run of an hour: the CDC sequence number it read up to (or None) and when it ran."""
+
+    sequence_number: int | None
+    ran_at_us: int
+
+
+@dataclass(frozen=True)
+class CheckThresholds:
+    lag_warn_seconds: int
+    lag_error_seconds: int
+    base_max_lag_seconds: int
+
+
+def _iso(us: int | None) -> str | None:
+    return iso_z(us) if us is not None else None
+
+
+def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us: int | None = None) -> CheckOutcome:
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    watermark = watermark_of(cdc.properties) if cdc is not None else None
+    if watermark is None:
+        return CheckOutcome(False, f"cdc.{name} has no watermark yet")
+    lag = lag_seconds(watermark, to_us(now_utc()) if now_us is None else now_us)
+    return CheckOutcome(
+        passed=lag <= limits.lag_warn_seconds,
+        severity=ERROR if lag > limits.lag_error_seconds else WARN,
+        description=f"watermark {iso_z(watermark)} trails now by {lag:.0f}s",
+        metadata={"watermark": iso_z(watermark), "lag_seconds": lag,
+                  "warn_after_seconds": limits.lag_warn_seconds, "error_after_seconds": limits.lag_error_seconds},
+    )
+
+
+def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    if cdc is None:
+        return CheckOutcome(True, f"cdc.{name} does not exist yet")
+    history = watermark_history(cdc.metadata)
+    regressions = watermark_regressions(history)
+    prop = watermark_of(cdc.properties)
+    behind = bool(history) and prop is not None and prop < history[-1][1]
+    passed = not regressions and not behind
+    return CheckOutcome(
+        passed=passed,
+        description="monotonic" if passed else f"{len(regressions)} regression(s); property behind newest snapshot: {behind}",
+        metadata={
+            "snapshots_checked": len(history),
+            "watermark": _iso(prop),
+            "regressions": [{"from_snapshot": a.snapshot_id, "from": iso_z(a.watermark_us), "to_snapshot": b.snapshot_id,
+                             "to": iso_z(b.watermark_us)} for a, b in regressions[:MAX_LISTED]],
+        },
+    )
+
+
+def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun]) -> dict[int, int]:
+    """hour -> late records its latest downstream run has not seen (every late record when it never ran)."""
+    out = {}
+    for hour, entry in late.items():
+        run = runs.get(hour)
+        missed = entry.commits if run is None else late_after_run(late, hour, run.sequence_number, run.ran_at_us)
+        if missed:
+            out[hour] = sum(c.records for c in missed)
+    return out
+
+
+def late_data_outcome(
+    catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]
+) -> CheckOutcome:
+    """WARN while an hour holds late records its downstream partition has not (re-)run with; the ledger is the evidence.
+
+    `downstream_runs(hours)`: the latest downstream run of each hour. Totals (late_records,
+    late_partitions) are the whole history's, as `partfin status` shows them.
+    """
+    late = late_data(catalog, f"cdc.{name}")  # the durable ledger: outlives snapshot expiry
+    if not late:
+        return CheckOutcome(True, "no late records", metadata={"late_records": 0, "late_partitions": 0})
+    total = sum(h.records for h in late.values())
+    open_hours = open_late_hours(late, downstream_runs(sorted(late)))
+    newest = sorted(late.values(), key=lambda h: h.hour_us)[-MAX_LISTED:]
+    metadata = {
+        "late_records": total,
+        "late_partitions": len(late),
+        "open_late_records": sum(open_hours.values()),
+        "partitions_to_rerun": [hour_key(h) for h in sorted(open_hours)][-MAX_LISTED:],
+        "by_partition": {hour_key(h.hour_us): h.records for h in newest},
+        "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
+    }
+    if not open_hours:
+        return CheckOutcome(True, f"{total} late record(s) in {len(late)} hour partition(s), every one re-run since",
+                            metadata=metadata)
+    return CheckOutcome(
+        passed=False,
+        severity=WARN,
+        description=f"{sum(open_hours.values())} late record(s) in {len(open_hours)} hour partition(s) the downstream has not run "
+        f"with yet: {', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
+        metadata=metadata,
+    )
+
+
+def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]) -> CheckOutcome:
+    """Late records that arrived after an hour's downstream partition ran (hours never run are not listed)."""
+    late = late_data(catalog, f"cdc.{name}")
+    runs = downstream_runs(sorted(late)) if late else {}
+    stale = {h: n for h, n in open_late_hours(late, runs).items() if h in runs}
+    if not stale:
+        return CheckOutcome(True, "no late data after any partition ran")
+    keys = [hour_key(h) for h in sorted(stale)][-MAX_LISTED:]
+    details = {}
+    for hour in sorted(stale)[-MAX_LISTED:]:
+        run = runs[hour]
+        missed = late_after_run(late, hour, run.sequence_number, run.ran_at_us)
+        details[hour_key(hour)] = {"late_records": stale[hour], "commits": [c.snapshot_id for c in missed], "ran_at": iso_z(run.ran_at_us)}
+    return CheckOutcome(
+        passed=False,
+        severity=WARN,
+        description=f"late data arrived after these partitions ran; re-run them: {', '.join(keys)}",
+        metadata={"partitions_to_rerun": keys, "details": details},
+    )
+
+
+def base_matches_cdc(catalog: Catalog, name: str) -> CheckOutcome:
+    base = load_table_if_exists(catalog, f"base.{name}")
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    if base is None or cdc is None or not base.properties.get(K.PROP_SOURCE_SNAPSHOT_ID):
+        return CheckOutcome(True, "nothing merged yet")
+    source_id = int(base.properties[K.PROP_SOURCE_SNAPSHOT_ID])
+    snapshot = cdc.metadata.snapshot_by_id(source_id)
+    if snapshot is None:
+        return CheckOutcome(False, f"merged cdc snapshot {source_id} is no longer in cdc.{name}'s metadata", WARN)
+    expected = summary_of(snapshot).get(K.WATERMARK)
+    actual = base.properties.get(K.PROP_WATERMARK)
+    return CheckOutcome(
+        passed=expected == actual,
+        description=f"base watermark {actual}, merged cdc snapshot {source_id} watermark {expected}",
+        metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id},
+    )
+
+
+def base_lag(catalog: Catalog, name: str, limits: CheckThresholds) -> CheckOutcome:
+    base = load_table_if_exists(catalog, f"base.{name}")
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    cdc_w = watermark_of(cdc.properties) if cdc is not None else None
+    base_w = watermark_of(base.properties) if base is not None else None
+    if cdc_w is None:
+        return CheckOutcome(True, f"cdc.{name} has no watermark yet")
+    if base_w is None:
+        return CheckOutcome(False, f"base.{name} has no watermark yet", WARN)
+    lag = (cdc_w - base_w) / US_PER_SECOND
+    return CheckOutcome(
+        passed=lag <= limits.base_max_lag_seconds,
+        severity=WARN,
+        description=f"base lags cdc by {lag:.0f}s (bound {limits.base_max_lag_seconds}s)",
+        metadata={"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag_seconds": float(lag),
+                  "bound_seconds": limits.base_max_lag_seconds},
+    )
+
+
+def bad_input(catalog: Catalog, identifier: str, what: str) -> CheckOutcome:
+    held = load_table_if_exists(catalog, identifier)
+    count = total_records(held) if held is not None else 0
+    metadata = {"records": count, "table": identifier}
+    if not count:
+        return CheckOutcome(True, f"{identifier} is empty", metadata=metadata)
+    return CheckOutcome(False, f"{count} {what}: see {identifier} (with the reason of each)", WARN, metadata)
