@@ -96,7 +96,6 @@ def _late_share(catalog, name: str, policy: str, event: np.ndarray, arrival: np.
     return late / event.size
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: windows count commits only")
 def test_a_window_in_arrival_time_finalizes_alike_at_any_checkpoint_cadence(catalog):
     """The same stream, checkpoints every 60 s or every 10 minutes: `min-of-last:30m` looks at the same arrivals."""
     event, arrival = _tail_stream(hours=3, rate=1.0, seed=11)
@@ -109,7 +108,6 @@ def test_a_window_in_arrival_time_finalizes_alike_at_any_checkpoint_cadence(cata
     assert abs(by_time[60] - by_time[600]) <= 0.25 * max(by_time.values()) + 0.0002
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: a raised X uses whatever expiry retained")
 def test_raising_x_after_snapshot_expiry_does_not_finalize_early(catalog):
     """Writer A runs min-of-last:3 for 45 checkpoints (expiry keeps 10-20 of them) while a slow backfill
     writer holds the table at 07:00; then the table asks for min-of-last:30, and the backfill retires.

@@ -11,7 +11,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.source_identity import SourceIdentity
-from partfin_assets.model.stats import CommitStats, commit_stats
+from partfin_assets.model.stats import CommitStats, CommitWindow, commit_clock_us, commit_stats
 from partfin_assets.model.timeutil import parse_iso, to_us
 
 
@@ -45,23 +45,41 @@ def summary_of(snapshot: Snapshot) -> dict[str, str]:
 
 
 def recent_commit_stats(
-    metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None, stream_id: str | None = None
+    metadata: TableMetadata,
+    window: CommitWindow | int,
+    *,
+    taken: int = 0,
+    newest_clock_us: int | None = None,
+    with_digest: bool = False,
+    writer_id: str | None = None,
+    stream_id: str | None = None,
 ) -> list[CommitStats]:
-    """The last `limit` stats-bearing commits of the main branch (of one writer / progress stream, if given), newest first."""
+    """The stats-bearing commits of main in `window` (an int: the last that many), newest first.
+
+    Of one writer / progress stream, if given. `taken`: commits already in the window (the one
+    being committed); `newest_clock_us`: the clock a span window reaches back from (default: the
+    newest commit found).
+    """
+    if isinstance(window, int):
+        window = CommitWindow(commits=max(window, 0))
     found: list[CommitStats] = []
-    if limit <= 0:
-        return found
     for snapshot in lineage(metadata):
         summary = summary_of(snapshot)
         if writer_id is not None and summary.get(K.WRITER_ID) != writer_id:
             continue
         if stream_id is not None and commit_stream(summary) != stream_id:
             continue
-        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest)
-        if entry is not None:
-            found.append(entry)
-            if len(found) == limit:
-                break
+        if window.commits is not None and not window.holds(taken + len(found), None, 0):
+            break
+        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest,
+                             clock_us=commit_clock_us(summary, snapshot.timestamp_ms))
+        if entry is None:
+            continue
+        if newest_clock_us is None:
+            newest_clock_us = entry.clock_us
+        if not window.holds(taken + len(found), entry.clock_us, newest_clock_us):
+            break
+        found.append(entry)
     return found
 
 
@@ -196,6 +214,15 @@ def recorded_watermark(metadata: TableMetadata) -> int | None:
         watermark = watermark_of(summary_of(snapshot))
         if watermark is not None:
             return watermark
+    return None
+
+
+def applied_policy(metadata: TableMetadata) -> str | None:
+    """The watermark policy the newest checkpoint recorded it ran (None: none recorded one yet)."""
+    for snapshot in lineage(metadata):
+        policy = summary_of(snapshot).get(K.WATERMARK_POLICY_APPLIED)
+        if policy is not None:
+            return policy
     return None
 
 

@@ -48,7 +48,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
-from partfin_assets.model.stats import EventTimeStats, suspect_future
+from partfin_assets.model.stats import CommitWindow, EventTimeStats, suspect_future
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
@@ -179,6 +179,9 @@ class CdcWriter:
         if rejected:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
 
+        arrival_max = None
+        if records.num_rows and ARRIVAL_TIME in records.schema.names:
+            arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
         contexts: list[CommitContext] = []
         source_clocks: list[int | None] = []
         start = self.position
@@ -194,11 +197,11 @@ class CdcWriter:
             streams = streams_of(table.properties)
             stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
             ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
-                                stream_progress_us=stream.progress_us, stream_id=stream_id)
+                                stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max)
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
-            observed = self._source_clock_of(records, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
+            observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
             source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
             source_clocks.append(source_clock)
             source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
@@ -234,7 +237,7 @@ class CdcWriter:
         if expiry_due(result.table, self.retention) and self._ledger.pending >= self.retention.keep_last:
             # some of them may expire now: recorded from memory, not rebuilt by expiry's reconcile from files
             self._ledger.flush()
-        expire_snapshots(result.table, self.retention, self._policy_lookback())
+        expire_snapshots(result.table, self.retention, self._policy_window())
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary)
 
     def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table) -> None:
@@ -357,13 +360,10 @@ class CdcWriter:
         source_clock = self._source_clock(stream_id)
         return source_clock is None or heartbeat_us - source_clock >= self.heartbeat_interval_us
 
-    def _source_clock_of(self, records: pa.Table, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
+    def _source_clock_of(self, arrival_max: int | None, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
         """The source's processing time as of a checkpoint: its heartbeat, else its records' latest arrival,
         else their latest plausible event time; a time beyond the commit's clock + tolerance never counts."""
         limit = clock_us + future_tolerance_us(self.table.properties)
-        arrival_max = None
-        if records.num_rows and ARRIVAL_TIME in records.schema.names:
-            arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
         for candidate in (heartbeat_us, arrival_max):
             if candidate is not None and candidate <= limit:
                 return candidate
@@ -388,8 +388,8 @@ class CdcWriter:
                 return stats.max_us
         return None
 
-    def _policy_lookback(self) -> int:
-        return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).lookback
+    def _policy_window(self) -> CommitWindow:
+        return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).window
 
     # ---- running a source
 

@@ -290,9 +290,49 @@ class CommitStats:
     snapshot_id: int | None
     low_us: int  # its min event time, or its heartbeat time when it carried no records
     stats: EventTimeStats  # empty for heartbeat-only commits
+    clock_us: int | None = None  # its commit clock (arrival): what windows in arrival time look at
+    # the commit being made, for late-budget: the source's processing time (None: the commit clock),
+    # and its latest plausible event time or heartbeat
+    arrival_us: int | None = None
+    high_us: int | None = None
 
 
-def commit_stats(summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
+@dataclass(frozen=True)
+class CommitWindow:
+    """The recent stats-bearing commits of a stream a watermark policy looks at, newest first:
+    the last `commits` of them, or those committed (commit clock) within `span_us` of the newest."""
+
+    commits: int | None = None
+    span_us: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.commits is None) == (self.span_us is None):
+            raise ValueError("a commit window has either a commit count or a span")
+
+    def holds(self, taken: int, clock_us: int | None, newest_clock_us: int) -> bool:
+        """Whether the next older commit belongs to the window, `taken` newer ones being in it already."""
+        if self.commits is not None:
+            return taken < self.commits
+        return clock_us is not None and clock_us > newest_clock_us - self.span_us
+
+    def covers(self, other: CommitWindow) -> bool:
+        """Whether what this window keeps always includes what `other` needs (same unit, no longer)."""
+        if self.commits is not None:
+            return other.commits is not None and other.commits <= self.commits
+        return other.span_us is not None and other.span_us <= self.span_us
+
+
+def commit_clock_us(summary: Mapping[str, str], timestamp_ms: int | None = None) -> int | None:
+    """The writer's clock for a commit (`partfin.commit-clock`), else the snapshot's own timestamp."""
+    clock = summary.get(K.COMMIT_CLOCK)
+    if clock:
+        return to_us(parse_iso(clock))
+    return timestamp_ms * 1000 if timestamp_ms is not None else None
+
+
+def commit_stats(
+    summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False, clock_us: int | None = None
+) -> CommitStats | None:
     """None for commits that claim no progress: without event-time stats (compaction, deletes,
     overwrites, stat-less appends), or whose every event time (or heartbeat) lay in the future
     of their commit clock (`partfin.suspect-future`: such times never drive progress)."""
@@ -303,11 +343,11 @@ def commit_stats(summary: Mapping[str, str], snapshot_id: int | None = None, *, 
     if not stats.is_empty:
         if suspect.get("records", 0) >= stats.count:
             return None
-        return CommitStats(snapshot_id, stats.min_us, stats)  # ascending: the min is never the suspect one
+        return CommitStats(snapshot_id, stats.min_us, stats, clock_us)  # ascending: the min is never the suspect one
     heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
     if heartbeat is None or "heartbeat" in suspect:
         return None
-    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)
+    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats, clock_us)
 
 
 def suspect_future(summary: Mapping[str, str]) -> dict:
