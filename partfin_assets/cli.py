@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, status, streams."""
+"""The `partfin` command: ingest, upsert, status, streams, policy-lab."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
@@ -16,12 +17,14 @@ from rich.live import Live
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.iceberg.catalog import load_existing_table, load_partfin_catalog
 from partfin_assets.iceberg.commit import set_table_properties
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import TableSpec
@@ -65,13 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle.add_argument("--table", required=True)
     idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
 
+    lab = commands.add_parser(
+        "policy-lab", help="replay a table's recorded ledger (or a simulated stream) through watermark policies: late share and lag"
+    )
+    lab_input = lab.add_mutually_exclusive_group(required=True)
+    lab_input.add_argument("--table", help="replay cdc.<table>'s late-data ledger")
+    lab_input.add_argument("--scenario", choices=SCENARIOS, help="replay a simulated stream (16 h after 8 h of history)")
+    lab.add_argument("--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)} late-budget:<budget>)")
+    lab.add_argument("--budget", type=float, default=0.001, help="share of records accepted late after finalization (default 0.001)")
+    lab.add_argument("--out", default="policy-lab", help="plot files: <out>.png and <out>.html (default ./policy-lab)")
+    lab.add_argument("--seed", type=int, default=13, help="seed of the simulated stream (default 13)")
+
     args = parser.parse_args(argv)
     secrets = (getattr(args, "source", None), *Settings.from_env().secrets())
     handler = logging.StreamHandler()
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams}[args.command](args)
+        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "policy-lab": _policy_lab}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
         return 2
@@ -219,6 +233,24 @@ def _streams(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
               f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
+    return 0
+
+
+def _policy_lab(args: argparse.Namespace) -> int:
+    if not 0 < args.budget < 1:
+        raise InvalidInput(f"--budget must be in (0, 1), got {args.budget:g}")
+    if args.scenario is not None:
+        data = simulate(args.scenario, seed=args.seed)
+    else:
+        catalog = load_partfin_catalog()
+        load_existing_table(catalog, f"cdc.{args.table}")  # a clear error for a table that is not there
+        data = recorded(read_ledger(catalog, f"cdc.{args.table}", columns=LAB_COLUMNS), args.table)
+    policies = args.policies or [*DEFAULT_POLICIES, f"late-budget:{args.budget:g}"]
+    report, lab = run_lab(data, policies, args.budget)
+    print(report.table())
+    png, page = write_plot(report, lab, Path(args.out))
+    print(f"\nrecommended: {report.recommended} (the smallest median lag within {args.budget:.2%} late)")
+    print(f"plot: {png} and {page}")
     return 0
 
 

@@ -461,6 +461,7 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
     clock), high = the latest plausible event time or heartbeat.
     """
     out: list[CommitStats] = []
+    rows = rows.filter(pl.col("stream") != REPLAY_STREAM)  # an hour's replay is no checkpoint of a stream
     if rows.is_empty():
         return out
     frame = rows.with_columns(

@@ -166,7 +166,7 @@ def learn_delay(rows: pl.DataFrame, budget: float, now_us: int) -> LearnedDelay:
     """The smallest delay L (after an hour's end) such that at most a share `budget` of an hour's records
     arrive later, by the lateness (arrival - event time) the ledger recorded.
 
-    Learned from the rows, committed by `now_us`, of event hours that ended at least LEARN_MATURITY
+    Learned from the rows, committed before `now_us`, of event hours that ended at least LEARN_MATURITY
     (6 h) before it (a younger hour's late records have not all arrived: its tail is not known yet),
     and at most LEARN_HISTORY (7 days) before that. Hours in the future of their commits never
     mature. With event times spread over the hour, a record of event time H + s (0 <= s < 1 h)
@@ -179,7 +179,7 @@ def learn_delay(rows: pl.DataFrame, budget: float, now_us: int) -> LearnedDelay:
     commit_us = rows["commit_time"].dt.epoch("us") if rows["commit_time"].dtype != pl.Int64 else rows["commit_time"]
     end = now_us - LEARN_MATURITY_US
     mature = rows.filter(
-        (hour_us + US_PER_HOUR <= end) & (hour_us + US_PER_HOUR > end - LEARN_HISTORY_US) & (commit_us <= now_us)
+        (hour_us + US_PER_HOUR <= end) & (hour_us + US_PER_HOUR > end - LEARN_HISTORY_US) & (commit_us < now_us)
         & pl.col("lateness_digest").is_not_null()
     )
     records = int(mature["records"].sum()) if mature.height else 0

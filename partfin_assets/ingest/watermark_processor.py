@@ -22,7 +22,7 @@ from partfin_assets.ingest.watermark_policy import (
 )
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json, hour_bounds, suspect_future
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_duration, parse_iso, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_duration, parse_iso, to_us
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class WatermarkProcessor(CommitProcessor):
         if learned is None or learned.stale(ctx.clock_us):
             since = ctx.clock_us - LEARN_MATURITY_US - LEARN_HISTORY_US - US_PER_HOUR
             rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=LEARN_COLUMNS,
-                               row_filter=GreaterThanOrEqual("hour", iso_z(since)))
+                               row_filter=GreaterThanOrEqual("hour", from_us(floor_hour_us(since)).isoformat()))
             learned = learn_delay(rows, policy.budget, ctx.clock_us)
             ctx.properties[K.PROP_LATE_BUDGET_LEARNED] = compact_json({"budget": policy.budget, **learned.to_json()})
         return learned.delay_us
