@@ -22,7 +22,7 @@ from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput
-from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats
+from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats, source_clock_us
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
         stream = commit_stream(summary)
         taken = stats_seen.get(stream, 0)
         if (window.commits is None or taken < window.commits) and commit_stats(summary) is not None:
-            clock = commit_clock_us(summary, snapshot.timestamp_ms)
+            clock = source_clock_us(summary) or commit_clock_us(summary, snapshot.timestamp_ms)  # its arrival clock
             newest = newest_clock.setdefault(stream, clock)
             if window.holds(taken, clock, newest):
                 stats_seen[stream] = taken + 1

@@ -44,24 +44,28 @@ def summary_of(snapshot: Snapshot) -> dict[str, str]:
     return snapshot.summary.additional_properties if snapshot.summary else {}
 
 
-def recent_commit_stats(
+@dataclass(frozen=True)
+class StreamWindow:
+    commits: list[CommitStats]  # in the window, newest first
+    boundary: CommitStats | None  # the stream's next older stats-bearing commit, outside the window (None: none retained)
+
+
+def stream_window(
     metadata: TableMetadata,
-    window: CommitWindow | int,
+    window: CommitWindow,
     *,
     taken: int = 0,
-    newest_clock_us: int | None = None,
+    newest_arrival_us: int | None = None,
     with_digest: bool = False,
     writer_id: str | None = None,
     stream_id: str | None = None,
-) -> list[CommitStats]:
-    """The stats-bearing commits of main in `window` (an int: the last that many), newest first.
+) -> StreamWindow:
+    """The retained stats-bearing commits of main in `window`, newest first (of one writer / progress stream, if given).
 
-    Of one writer / progress stream, if given. `taken`: commits already in the window (the one
-    being committed); `newest_clock_us`: the clock a span window reaches back from (default: the
-    newest commit found).
+    `taken`: commits already in the window (the one being committed); `newest_arrival_us`: the
+    arrival clock a span window reaches back from (default: the newest commit's). A span window
+    holds the commits whose arrival clock (`CommitStats.arrival_clock_us`) lies within it.
     """
-    if isinstance(window, int):
-        window = CommitWindow(commits=max(window, 0))
     found: list[CommitStats] = []
     for snapshot in lineage(metadata):
         summary = summary_of(snapshot)
@@ -69,18 +73,25 @@ def recent_commit_stats(
             continue
         if stream_id is not None and commit_stream(summary) != stream_id:
             continue
-        if window.commits is not None and not window.holds(taken + len(found), None, 0):
-            break
         entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest,
                              clock_us=commit_clock_us(summary, snapshot.timestamp_ms))
         if entry is None:
             continue
-        if newest_clock_us is None:
-            newest_clock_us = entry.clock_us
-        if not window.holds(taken + len(found), entry.clock_us, newest_clock_us):
-            break
+        if newest_arrival_us is None:
+            newest_arrival_us = entry.arrival_clock_us
+        if not window.holds(taken + len(found), entry.arrival_clock_us, newest_arrival_us):
+            return StreamWindow(found, entry)
         found.append(entry)
-    return found
+    return StreamWindow(found, None)
+
+
+def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None,
+                        stream_id: str | None = None) -> list[CommitStats]:
+    """The last `limit` stats-bearing commits of main (of one writer / progress stream, if given), newest first."""
+    if limit <= 0:
+        return []
+    return stream_window(metadata, CommitWindow(commits=limit), with_digest=with_digest, writer_id=writer_id,
+                         stream_id=stream_id).commits
 
 
 def commit_stream(summary: Mapping[str, str]) -> str | None:

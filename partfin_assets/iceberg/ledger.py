@@ -55,7 +55,8 @@ from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, le
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
 from partfin_assets.model.stats import (
-    CommitStats, EventTimeStats, commit_clock_us, compact_json, digest_from_dict, digest_of_sorted, suspect_future, tdigest_dict,
+    CommitStats, EventTimeStats, commit_clock_us, compact_json, digest_from_dict, digest_of_sorted, source_clock_us, suspect_future,
+    tdigest_dict,
 )
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, parse_iso, to_us
@@ -88,6 +89,7 @@ class Checkpoint:
     watermark_us: int | None  # the watermark this commit recorded
     late_by_hour: Mapping[int, int]  # hour (us) -> records that came below the watermark before the commit
     heartbeat_us: int | None = None  # a commit without records: the source's heartbeat (its row's arrival range)
+    source_clock_us: int | None = None  # its partfin.source-clock
 
     @classmethod
     def of_commit(cls, writer_id: str, checkpoint_id: int, snapshot: Snapshot, clock_us: int | None = None) -> Checkpoint:
@@ -100,7 +102,7 @@ class Checkpoint:
         if heartbeat is not None and "heartbeat" in suspect_future(summary):
             heartbeat = None  # from a clock ahead of ours: it claims nothing
         return cls(writer_id, stream, checkpoint_id, snapshot.snapshot_id, snapshot.sequence_number, clock_us, watermark_of(summary),
-                   _late_by_hour(summary), to_us(parse_iso(heartbeat)) if heartbeat is not None else None)
+                   _late_by_hour(summary), to_us(parse_iso(heartbeat)) if heartbeat is not None else None, source_clock_us(summary))
 
 
 def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None = None) -> pa.Table:
@@ -149,7 +151,7 @@ def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
         "stream": c.stream, "checkpoint_id": c.checkpoint_id, "snapshot_id": c.snapshot_id, "sequence_number": c.sequence_number,
         "commit_time": c.commit_time_us, "arrival_min": None, "arrival_max": None, "hour": hour_us, "records": records,
         "late_records": late, "event_time_min": None, "event_time_max": None, "event_time_digest": None,
-        "lateness_digest": None, "watermark": c.watermark_us, "writer_id": c.writer_id,
+        "lateness_digest": None, "watermark": c.watermark_us, "writer_id": c.writer_id, "source_clock": c.source_clock_us,
     }
 
 
@@ -446,8 +448,8 @@ def _clamped_us(seconds: float, bound: tuple[int, int]) -> int:
     return min(max(int(round(seconds * US_PER_SECOND)), bound[0]), bound[1])
 
 
-COMMIT_STATS_COLUMNS = ("stream", "checkpoint_id", "snapshot_id", "commit_time", "arrival_min", "arrival_max", "hour", "records",
-                        "event_time_min", "event_time_max", "event_time_digest")
+COMMIT_STATS_COLUMNS = ("stream", "checkpoint_id", "snapshot_id", "commit_time", "source_clock", "arrival_min", "arrival_max", "hour",
+                        "records", "event_time_min", "event_time_max", "event_time_digest")
 
 
 def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: bool = False) -> list[CommitStats]:
@@ -465,7 +467,8 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
     if rows.is_empty():
         return out
     frame = rows.with_columns(
-        *(pl.col(c).dt.epoch("us") for c in ("commit_time", "arrival_min", "arrival_max", "hour", "event_time_min", "event_time_max"))
+        *(pl.col(c).dt.epoch("us") for c in ("commit_time", "source_clock", "arrival_min", "arrival_max", "hour", "event_time_min",
+                                             "event_time_max"))
     ).with_row_index("_order")
     for part in frame.partition_by(["stream", "checkpoint_id"], maintain_order=True):
         clock = int(part["commit_time"][0])
@@ -475,10 +478,11 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
         arrival_max = part["arrival_max"].drop_nulls()
         arrival = int(arrival_max.max()) if arrival_max.len() and arrival_max.max() <= limit else None
         snapshot_id = int(part["snapshot_id"][0])
+        source_clock = part["source_clock"][0]
         if data.is_empty():
             if arrival is None:
                 continue  # no records (only rejected lines) and no heartbeat: no progress
-            out.append(CommitStats(snapshot_id, arrival, EventTimeStats(), clock, arrival, arrival))
+            out.append(CommitStats(snapshot_id, arrival, EventTimeStats(), clock, arrival, arrival, source_clock))
             continue
         if plausible.is_empty():
             continue  # all of it from a clock ahead of ours
@@ -490,5 +494,5 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
             for digest in digests[1:]:
                 merged = merged.merge(digest)
             stats = EventTimeStats(stats.count, stats.min_us, stats.max_us, merged)
-        out.append(CommitStats(snapshot_id, stats.min_us, stats, clock, arrival, high))
+        out.append(CommitStats(snapshot_id, stats.min_us, stats, clock, arrival, high, source_clock))
     return out

@@ -62,6 +62,8 @@ class CommitContext:
     # the latest source arrival time (processing time, e.g. Debezium's envelope ts_ms) among the
     # checkpoint's records; None when the source gives none
     arrival_us: int | None = None
+    # the source's processing time as of this checkpoint (partfin.source-clock, see the writer)
+    source_clock_us: int | None = None
 
     @property
     def stream(self) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 from pyiceberg.expressions import EqualTo, GreaterThanOrEqual
 from pyiceberg.table.snapshots import Snapshot
 
-from partfin_assets.iceberg.history import applied_policy, late_records_total, recent_commit_stats, watermark_of
+from partfin_assets.iceberg.history import applied_policy, late_records_total, stream_window, watermark_of
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifier, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import active_streams, progress_floor
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -107,14 +107,15 @@ class PolicyChange:
     def effective(self, clock_us: int) -> PolicyChange:
         return PolicyChange(self.before, self.to, self.requested_at_us, clock_us)
 
-    def settled(self, window: CommitWindow, retained: list[CommitStats], clock_us: int) -> bool:
-        """Whether the retained snapshots hold the whole window: it took effect at once (expiry had kept
-        enough for the policy before), or every commit in it was made since the change."""
+    def settled(self, window: CommitWindow, retained: list[CommitStats], boundary: CommitStats | None) -> bool:
+        """Whether the retained snapshots hold the whole window: expiry kept enough for the policy before,
+        or every commit in it was made since the change (expiry keeps the new window from then on):
+        the window is full (a count) or the commit just beyond it was made since the change (a span)."""
         if self.before_covers(window):
             return True
         if window.commits is not None:
             return len(retained) >= window.commits and retained[-1].clock_us >= self.requested_at_us
-        return clock_us - self.requested_at_us >= window.span_us
+        return boundary is not None and boundary.clock_us >= self.requested_at_us
 
 
 def table_candidate(ctx: CommitContext) -> int | None:
@@ -175,9 +176,9 @@ class WatermarkProcessor(CommitProcessor):
         if not event_times.stats.is_empty and suspect.get("records", 0) < event_times.stats.count:
             plausible = int(np.searchsorted(event_times.event_time_us, limit, side="right"))
             high = int(event_times.event_time_us[plausible - 1])
-            this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats, ctx.clock_us, arrival, high)]
+            this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats, ctx.clock_us, arrival, high, ctx.source_clock_us)]
         elif heartbeat is not None and "heartbeat" not in suspect:
-            this_commit = [CommitStats(None, heartbeat, event_times.stats, ctx.clock_us, heartbeat, heartbeat)]
+            this_commit = [CommitStats(None, heartbeat, event_times.stats, ctx.clock_us, heartbeat, heartbeat, ctx.source_clock_us)]
         if this_commit:  # a commit without stats leaves its stream's progress where it is
             delay = self._learned_delay(ctx, policy) if policy.kind == LATE_BUDGET else None
             window = this_commit if delay is not None else self._window(ctx, policy, change, tolerance, this_commit)
@@ -208,27 +209,26 @@ class WatermarkProcessor(CommitProcessor):
         (expiry keeps the new window from then on), the rest comes from the late-data ledger, which
         records every checkpoint before its snapshot can expire. None: not even the ledger has it.
         """
-        metadata = ctx.table.metadata
-        retained = this_commit + recent_commit_stats(
-            metadata, policy.window, taken=1, newest_clock_us=ctx.clock_us, with_digest=policy.needs_digest,
-            writer_id=ctx.writer_id, stream_id=ctx.stream,
-        )
-        if change is None or change.settled(policy.window, retained, ctx.clock_us):
+        newest = this_commit[0].arrival_clock_us
+        found = stream_window(ctx.table.metadata, policy.window, taken=1, newest_arrival_us=newest, with_digest=policy.needs_digest,
+                              writer_id=ctx.writer_id, stream_id=ctx.stream)
+        retained = this_commit + found.commits
+        if change is None or change.settled(policy.window, retained, found.boundary):
             return retained
-        rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS, row_filter=EqualTo("stream", ctx.stream))
+        rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
+                           row_filter=EqualTo("stream", ctx.stream))
         recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
-        have = {c.snapshot_id for c in retained}
-        older = sorted((c for c in recorded if c.snapshot_id not in have), key=lambda c: c.clock_us, reverse=True)
-        window = list(retained)
-        for commit in older:
-            if commit.clock_us >= ctx.clock_us or not policy.window.holds(len(window), commit.clock_us, ctx.clock_us):
-                continue
+        known = {c.snapshot_id: c for c in recorded if c.clock_us < ctx.clock_us}
+        known.update({c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None})
+        window = list(this_commit)
+        complete = True
+        for commit in sorted(known.values(), key=lambda c: c.clock_us, reverse=True):
+            if not policy.window.holds(len(window), commit.arrival_clock_us, newest):
+                break  # a commit older than the window: the window is whole
             window.append(commit)
-        known_from = min((c.clock_us for c in recorded), default=None)  # the stream's first recorded checkpoint
-        complete = len(window) == policy.window.commits if policy.window.commits is not None else (
-            known_from is not None and known_from <= ctx.clock_us - policy.window.span_us)
-        complete = complete or (known_from is not None and all(c.clock_us >= known_from for c in window) and
-                                any(c.clock_us == known_from for c in window))
+        else:  # the window reaches back to the stream's first known commit: older ones, if any, only the ledger
+            # could hold (it records every checkpoint before its snapshot expires), unless the table is older than it
+            complete = len(window) == policy.window.commits or bool(recorded)
         if not complete:
             log.warning("%s: the window of policy %s reaches past what the table and its ledger hold: stream %s holds "
                         "its progress until it has that history", ctx.table_name, policy, ctx.stream)

@@ -196,14 +196,15 @@ class CdcWriter:
             clock_us = to_us(self.clock())
             streams = streams_of(table.properties)
             stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
-            ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
-                                stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max)
-            for processor in self.processors:
-                processor.pre_commit(ctx)
-            contexts.append(ctx)
             observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
             source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
             source_clocks.append(source_clock)
+            ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
+                                stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max,
+                                source_clock_us=source_clock)
+            for processor in self.processors:
+                processor.pre_commit(ctx)
+            contexts.append(ctx)
             source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
             summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)}, commit_id, JobKind.INTO)
             tx = new_transaction(table)

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, Checkpoint, checkpoint_rows, ledger_commit_stats
 from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
-from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LearnedDelay, WatermarkPolicy, advance, learn_delay
+from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LEARN_MATURITY_US, LearnedDelay, WatermarkPolicy, advance, learn_delay
 from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats
@@ -116,15 +116,20 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
 
 
 def recorded(rows: pl.DataFrame, table: str) -> LabInput:
-    """A table's recorded ledger, every complete hour of it measured."""
-    data = rows.filter(pl.col("hour").is_not_null())
+    """A table's recorded ledger. Measured: its hours with records, up to the last one that ended 6 h
+    before its newest checkpoint (a younger hour's late records may still come), or all of them
+    when none is that old."""
+    data = rows.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0))
     if data.is_empty():
         raise InvalidInput(f"cdc.{table} has no checkpoints with records in its ledger yet: try --scenario")
     hours = data["hour"].dt.epoch("us")
     last_commit = int(rows["commit_time"].dt.epoch("us").max())
-    plausible = hours[hours <= last_commit]
-    return LabInput(rows.select(LAB_COLUMNS), int(plausible.min()), floor_hour_us(last_commit),
-                    f"cdc.{table}: recorded ledger, {rows['checkpoint_id'].n_unique()} checkpoint(s)")
+    plausible = hours.filter(hours <= last_commit)
+    first, last = int(plausible.min()), int(plausible.max())
+    settled = floor_hour_us(last_commit - LEARN_MATURITY_US)
+    end = min(last + US_PER_HOUR, settled) if settled > first else last + US_PER_HOUR
+    return LabInput(rows.select(LAB_COLUMNS), first, end, f"cdc.{table}: recorded ledger, {rows['checkpoint_id'].n_unique()} "
+                    f"checkpoint(s), {(end - first) // US_PER_HOUR} hour(s) measured")
 
 
 # --------------------------------------------------------------------------- replay
@@ -169,7 +174,7 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
         window = [commit]
         if delay is None:
             for previous in reversed(older):
-                if not policy.window.holds(len(window), previous.clock_us, clock):
+                if not policy.window.holds(len(window), previous.arrival_clock_us, commit.arrival_clock_us):
                     break
                 window.append(previous)
         older.append(commit)
@@ -185,9 +190,11 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
 
 
 def fixed_delay(commits: Sequence[CommitStats], delay_us: int) -> Replay:
-    """Flink's partition-time trigger: hour H is final once the arrival clock passes H + 1 h + delay."""
+    """Flink's partition-time trigger: hour H is final once arrival passes H + 1 h + delay (arrival as
+    late-budget reads it: the source's latest arrival time, else the commit clock)."""
     clocks = np.array([c.clock_us for c in commits], dtype=np.int64)
-    return Replay(clocks, np.maximum.accumulate((clocks - delay_us) // US_PER_HOUR * US_PER_HOUR))
+    arrivals = np.array([c.arrival_us if c.arrival_us is not None else c.clock_us for c in commits], dtype=np.int64)
+    return Replay(clocks, np.maximum.accumulate((arrivals - delay_us) // US_PER_HOUR * US_PER_HOUR))
 
 
 def idle_time(clocks_us: np.ndarray, hours_us: np.ndarray, first_hour_us: int, idle_us: int) -> Replay:
@@ -334,7 +341,7 @@ class LabReport:
             o = row.outcome
             mark = " (recommended)" if o.name == self.recommended else ""
             lines.append(f"| `{o.name}`{mark} | {o.late_share:.3%} | {_hours(o.median_lag_s)} | {_ratio(o.lag_ratio)} | "
-                         f"{_ratio(o.median_lag_s / row.fixed.median_lag_s)} | {_ratio(o.median_lag_s / row.idle.median_lag_s)} |")
+                         f"{_ratio(o.median_lag_s, row.fixed.median_lag_s)} | {_ratio(o.median_lag_s, row.idle.median_lag_s)} |")
         for o in self.baselines:
             lines.append(f"| {o.name} (tuned to {self.budget:.2%} late) | {o.late_share:.3%} | {_hours(o.median_lag_s)} | "
                          f"{_ratio(o.lag_ratio)} | | |")
@@ -345,8 +352,10 @@ def _hours(seconds: float) -> str:
     return "never" if math.isinf(seconds) else f"{seconds / 3600:.2f} h"
 
 
-def _ratio(value: float) -> str:
-    return "-" if math.isinf(value) or math.isnan(value) else f"{value:.2f}x"
+def _ratio(value: float, of: float = 1.0) -> str:
+    if not (math.isfinite(value) and math.isfinite(of)) or of <= 0:
+        return "-"
+    return f"{value / of:.2f}x"
 
 
 def run_lab(data: LabInput, policies: Sequence[str], budget: float) -> tuple[LabReport, Lab]:

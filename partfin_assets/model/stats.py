@@ -295,6 +295,13 @@ class CommitStats:
     # and its latest plausible event time or heartbeat
     arrival_us: int | None = None
     high_us: int | None = None
+    source_clock_us: int | None = None  # its partfin.source-clock: the source's processing time
+
+    @property
+    def arrival_clock_us(self) -> int | None:
+        """When the commit's data arrived, as windows in arrival time see it: the source's processing
+        time (a file replayed fast keeps the pace it was written at), else the commit clock."""
+        return self.source_clock_us if self.source_clock_us is not None else self.clock_us
 
 
 @dataclass(frozen=True)
@@ -330,6 +337,12 @@ def commit_clock_us(summary: Mapping[str, str], timestamp_ms: int | None = None)
     return timestamp_ms * 1000 if timestamp_ms is not None else None
 
 
+def source_clock_us(summary: Mapping[str, str]) -> int | None:
+    """A checkpoint's `partfin.source-clock` (None: not recorded)."""
+    clock = summary.get(K.SOURCE_CLOCK)
+    return to_us(parse_iso(clock)) if clock else None
+
+
 def commit_stats(
     summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False, clock_us: int | None = None
 ) -> CommitStats | None:
@@ -343,11 +356,12 @@ def commit_stats(
     if not stats.is_empty:
         if suspect.get("records", 0) >= stats.count:
             return None
-        return CommitStats(snapshot_id, stats.min_us, stats, clock_us)  # ascending: the min is never the suspect one
+        # ascending: the min is never the suspect one
+        return CommitStats(snapshot_id, stats.min_us, stats, clock_us, source_clock_us=source_clock_us(summary))
     heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
     if heartbeat is None or "heartbeat" in suspect:
         return None
-    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats, clock_us)
+    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats, clock_us, source_clock_us=source_clock_us(summary))
 
 
 def suspect_future(summary: Mapping[str, str]) -> dict:
