@@ -155,6 +155,10 @@ def test_pipeline_in_process(env, monkeypatch):
     assert not late.passed and late.severity == AssetCheckSeverity.WARN
     assert late.metadata["late_records"].value > 0
     assert json.dumps(late.metadata["commits"].value)
+    # the current policy as the table's own watermark did (issue 13): late share and lag, from the ledger
+    assert late.metadata["watermark_policy"].value == table.spec.watermark_policy
+    assert 0 < late.metadata["late_share_after_finalization"].value < 1
+    assert late.metadata["median_finalization_lag_seconds"].value > 0
     assert not evaluations["watermark_fresh"].passed  # a 2026-01-01 stream is months old
     assert evaluations["late_data_after_run"].passed
     assert evaluations["rejected_input"].passed and evaluations["quarantined_changes"].passed

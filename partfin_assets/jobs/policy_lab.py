@@ -23,16 +23,20 @@ import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, Checkpoint, checkpoint_rows, ledger_commit_stats
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, Checkpoint, checkpoint_rows, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
 from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LEARN_MATURITY_US, LearnedDelay, WatermarkPolicy, advance, learn_delay
 from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
+from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_iso, to_us
@@ -40,7 +44,7 @@ from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour
 SCENARIOS = ("steady", "outage", "idle", "bad-clocks")
 DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
                     "percentile:0.001:last:30m")
-LAB_COLUMNS = tuple(dict.fromkeys(COMMIT_STATS_COLUMNS + ("lateness_digest",)))
+LAB_COLUMNS = tuple(dict.fromkeys(COMMIT_STATS_COLUMNS + ("lateness_digest", "watermark")))
 SIM_START_US = to_us(parse_iso("2026-11-01T00:00:00Z"))
 MINUTE_US = 60 * US_PER_SECOND
 
@@ -235,23 +239,40 @@ class Lab:
         rows = data.rows
         self.rows = rows
         self.tolerance_us = tolerance_us
-        self.commits = ledger_commit_stats(rows, tolerance_us)
         self._with_digests: list[CommitStats] | None = None
-        by_snapshot = dict(zip(rows["snapshot_id"].to_list(), rows["stream"].to_list()))
-        self.streams = [by_snapshot[c.snapshot_id] for c in self.commits]
-        data_rows = rows.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0) & (pl.col("stream") != REPLAY_STREAM)).with_columns(
-            pl.col("hour").dt.epoch("us").alias("hour_us"), pl.col("commit_time").dt.epoch("us").alias("commit_us"))
-        self.hour_us = data_rows["hour_us"].to_numpy()
-        self.row_commit_us = data_rows["commit_us"].to_numpy()
-        self.records = data_rows["records"].to_numpy()
+        data_rows = rows.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0) & (pl.col("stream") != REPLAY_STREAM))
+        self._data_rows = data_rows.with_columns(pl.col("hour").dt.epoch("us").alias("hour_us"),
+                                                 pl.col("commit_time").dt.epoch("us").alias("commit_us"))
+        self.hour_us = self._data_rows["hour_us"].to_numpy()
+        self.row_commit_us = self._data_rows["commit_us"].to_numpy()
+        self.records = self._data_rows["records"].to_numpy()
         self.measured = (self.hour_us >= data.measure_from_us) & (self.hour_us < data.measure_to_us)
         self.hours = np.arange(data.measure_from_us, data.measure_to_us, US_PER_HOUR, dtype=np.int64)
         self.oracle_final = self._oracle_final()
         self.oracle_lag_s = float(np.median(self.oracle_final - (self.hours + US_PER_HOUR))) / US_PER_SECOND
-        per_commit = data_rows.group_by("commit_us", maintain_order=True).agg(pl.col("hour_us").unique())
+
+    @cached_property
+    def commits(self) -> list[CommitStats]:
+        return ledger_commit_stats(self.rows, self.tolerance_us)
+
+    @cached_property
+    def streams(self) -> list[str]:
+        by_snapshot = dict(zip(self.rows["snapshot_id"].to_list(), self.rows["stream"].to_list()))
+        return [by_snapshot[c.snapshot_id] for c in self.commits]
+
+    @cached_property
+    def _commit_hours(self) -> tuple[np.ndarray, list[list[int]]]:
+        per_commit = self._data_rows.group_by("commit_us", maintain_order=True).agg(pl.col("hour_us").unique())
         hours_at = dict(zip(per_commit["commit_us"].to_list(), per_commit["hour_us"].to_list()))
-        self.commit_clocks = np.array([c.clock_us for c in self.commits], dtype=np.int64)
-        self.commit_hours = [hours_at.get(c, []) for c in self.commit_clocks.tolist()]
+        clocks = np.array([c.clock_us for c in self.commits], dtype=np.int64)
+        return clocks, [hours_at.get(c, []) for c in clocks.tolist()]
+
+    def recorded(self, name: str) -> Outcome:
+        """What the table's own watermark did: each checkpoint's recorded watermark (the ledger's `watermark`)."""
+        checkpoints = self.rows.unique(["stream", "checkpoint_id"], maintain_order=True).sort("commit_time")
+        clocks = checkpoints["commit_time"].dt.epoch("us").to_numpy()
+        marks = checkpoints["watermark"].dt.epoch("us").fill_null(NO_WATERMARK).to_numpy()
+        return self.measure(name, Replay(clocks, marks))
 
     def _oracle_final(self) -> np.ndarray:
         last = np.full(self.hours.size, NO_WATERMARK, dtype=np.int64)
@@ -293,7 +314,8 @@ class Lab:
 
     def idle_time(self, idle_us: int) -> Outcome:
         first = min(int(self.hour_us.min()), self.data.measure_from_us)
-        run = idle_time(self.commit_clocks, self.commit_hours, first, idle_us)
+        clocks, hours = self._commit_hours
+        run = idle_time(clocks, hours, first, idle_us)
         return self.measure(f"idle time {idle_us / US_PER_SECOND / 60:g} min", run)
 
     def tuned(self, baseline: str, late_share: float) -> Outcome:
@@ -309,6 +331,17 @@ class Lab:
             else:
                 low = middle + 1
         return run(low * MINUTE_US)
+
+
+def measured_policy(catalog: Catalog, table: str) -> Outcome | None:
+    """The table's current policy as its own watermark did, over its recorded ledger (None: nothing to measure yet)."""
+    rows = read_ledger(catalog, f"cdc.{table}", columns=LAB_COLUMNS)
+    try:
+        data = recorded(rows, table)
+    except InvalidInput:
+        return None
+    policy = catalog.load_table(f"cdc.{table}").properties.get(K.PROP_WATERMARK_POLICY, "-")
+    return Lab(data).recorded(policy)
 
 
 # --------------------------------------------------------------------------- report

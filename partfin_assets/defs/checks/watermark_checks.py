@@ -5,6 +5,7 @@ base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quara
 downstream:   late_data_after_run
 """
 
+import math
 
 from dagster import (
     AssetCheckExecutionContext,
@@ -26,6 +27,7 @@ from partfin_assets.finalization.hours import hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
+from partfin_assets.jobs.policy_lab import measured_policy
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
@@ -90,8 +92,9 @@ def build_checks(table: PartfinTable):
         if cdc is None:
             return AssetCheckResult(passed=True, description=f"cdc.{name} does not exist yet")
         late = late_data(catalog.load(), f"cdc.{name}")  # the durable ledger: outlives snapshot expiry
+        policy = _policy_metadata(catalog.load(), name)
         if not late:
-            return AssetCheckResult(passed=True, description="no late records")
+            return AssetCheckResult(passed=True, description="no late records", metadata=policy)
         total = sum(h.records for h in late.values())
         newest = sorted(late.values(), key=lambda h: h.hour_us)[-MAX_LISTED:]
         return AssetCheckResult(
@@ -103,6 +106,7 @@ def build_checks(table: PartfinTable):
                 "late_partitions": len(late),
                 "by_partition": {hour_key(h.hour_us): h.records for h in newest},
                 "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
+                **policy,
             },
         )
 
@@ -236,3 +240,16 @@ def build_checks_sensor(table: PartfinTable, checks_job):
         return RunRequest(run_key=f"checks:{':'.join(state)}")
 
     return checks_sensor
+
+
+def _policy_metadata(catalog, name: str) -> dict:
+    """The current watermark policy as the table's own watermark did (jobs/policy_lab.py): late share, median lag."""
+    outcome = measured_policy(catalog, name)
+    if outcome is None:
+        return {}
+    measured = {"watermark_policy": outcome.name, "late_share_after_finalization": outcome.late_share}
+    if math.isfinite(outcome.median_lag_s):
+        measured["median_finalization_lag_seconds"] = outcome.median_lag_s
+    if math.isfinite(outcome.lag_ratio):
+        measured["finalization_lag_vs_oracle"] = outcome.lag_ratio
+    return measured
