@@ -19,6 +19,7 @@ from partfin_assets.iceberg.catalog import load_existing_table, load_partfin_cat
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
 from partfin_assets.jobs.retry import retry_on_conflict
@@ -27,7 +28,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
 from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
@@ -49,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
     ingest.add_argument("--max-checkpoints", type=int, help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
+    ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
+                        f"{DEFAULT_WATERMARK_POLICY}); on an existing table: a policy change")
 
     upsert = commands.add_parser("upsert", help="merge new CDC snapshots into base.<table>")
     upsert.add_argument("--table", required=True)
@@ -108,6 +111,8 @@ class _RedactingFormatter(logging.Formatter):
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    if args.watermark_policy is not None:
+        WatermarkPolicy.parse(args.watermark_policy)  # a bad one is refused before the catalog is touched
     catalog = load_partfin_catalog()
     spec = _ingest_spec(catalog, args)
     source = make_source(args.source, spec, primary_key=args.primary_key, **({"follow": True} if args.follow else {}))
@@ -134,9 +139,17 @@ def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
 
     source_kind(args.source)  # an unknown kind is refused before the catalog is touched
     identifier = f"cdc.{args.table}"
+    policy = args.watermark_policy
+    if policy is not None:
+        policy = str(WatermarkPolicy.parse(policy))
     if catalog.table_exists(identifier):
-        return TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
-    return source_table_spec(args.source, args.table, args.primary_key)
+        spec = TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
+        if policy is not None and policy != spec.watermark_policy:  # its first checkpoint records the change
+            set_table_properties(catalog, identifier, {K.PROP_WATERMARK_POLICY: policy})
+            spec = dataclasses.replace(spec, watermark_policy=policy)
+        return spec
+    spec = source_table_spec(args.source, args.table, args.primary_key)
+    return spec if policy is None else dataclasses.replace(spec, watermark_policy=policy)
 
 
 def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:

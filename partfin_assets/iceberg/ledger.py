@@ -68,7 +68,8 @@ LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
 UTC_US = pa.timestamp("us", tz="UTC")
 
 __all__ = [
-    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "dotted_identifier", "ledger_commit_stats", "LedgerAppender", "checkpoint_rows", "ensure_ledger_table",
+    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "dotted_identifier",
+    "ensure_ledger_table", "ledger_commit_stats",
     "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
 ]
 
@@ -460,7 +461,8 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
     checkpoint without records); event hours past the commit clock + `tolerance_us` are suspect and
     claim nothing (a checkpoint of only those, or one without records or heartbeat, is left out).
     Also the frontier late-budget reads: arrival = the latest source arrival (None: the commit
-    clock), high = the latest plausible event time or heartbeat.
+    clock), high = the latest plausible event time (to the hour's rows: capped at clock + tolerance)
+    or heartbeat.
     """
     out: list[CommitStats] = []
     rows = rows.filter(pl.col("stream") != REPLAY_STREAM)  # an hour's replay is no checkpoint of a stream
@@ -469,7 +471,7 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
     frame = rows.with_columns(
         *(pl.col(c).dt.epoch("us") for c in ("commit_time", "source_clock", "arrival_min", "arrival_max", "hour", "event_time_min",
                                              "event_time_max"))
-    ).with_row_index("_order")
+    )
     for part in frame.partition_by(["stream", "checkpoint_id"], maintain_order=True):
         clock = int(part["commit_time"][0])
         limit = clock + tolerance_us
