@@ -48,7 +48,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
-from partfin_assets.model.stats import CommitWindow, EventTimeStats, suspect_future
+from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_clock_us, suspect_future
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
@@ -380,8 +380,9 @@ class CdcWriter:
             summary = summary_of(snapshot)
             if summary.get(K.WRITER_ID) != self.writer_id or commit_stream(summary) != stream_id:
                 continue
-            if K.SOURCE_CLOCK in summary:
-                return to_us(parse_iso(summary[K.SOURCE_CLOCK]))
+            recorded = source_clock_us(summary)
+            if recorded is not None:
+                return recorded
             if K.EVENT_TIME_HEARTBEAT in summary and not suspect_future(summary):
                 return to_us(parse_iso(summary[K.EVENT_TIME_HEARTBEAT]))
             stats = EventTimeStats.from_summary(summary, with_digest=False)

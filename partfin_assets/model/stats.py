@@ -290,7 +290,7 @@ class CommitStats:
     snapshot_id: int | None
     low_us: int  # its min event time, or its heartbeat time when it carried no records
     stats: EventTimeStats  # empty for heartbeat-only commits
-    clock_us: int | None = None  # its commit clock (arrival): what windows in arrival time look at
+    clock_us: int | None = None  # its commit clock (the writer's)
     # the commit being made, for late-budget: the source's processing time (None: the commit clock),
     # and its latest plausible event time or heartbeat
     arrival_us: int | None = None
@@ -307,7 +307,7 @@ class CommitStats:
 @dataclass(frozen=True)
 class CommitWindow:
     """The recent stats-bearing commits of a stream a watermark policy looks at, newest first:
-    the last `commits` of them, or those committed (commit clock) within `span_us` of the newest."""
+    the last `commits` of them, or those whose arrival clock lies within `span_us` of the newest's."""
 
     commits: int | None = None
     span_us: int | None = None
