@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, status, streams, report."""
+"""The `partfin` command: ingest, upsert, status, streams, report, policy-lab."""
 
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog
 from partfin_assets.iceberg.commit import set_table_properties
+from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
 from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
@@ -48,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
     ingest.add_argument("--max-checkpoints", type=int, help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
+    ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
+                        f"{DEFAULT_WATERMARK_POLICY}); on an existing table: a policy change")
 
     upsert = commands.add_parser("upsert", help="merge new CDC snapshots into base.<table>")
     upsert.add_argument("--table", required=True)
@@ -71,13 +76,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.add_argument("--table", required=True)
     report.add_argument("--out", help="folder to write <table>.html and <table>.png into (default $PARTFIN_HOME/reports)")
 
+    lab = commands.add_parser(
+        "policy-lab", help="replay a table's recorded ledger (or a simulated stream) through watermark policies: late share and lag"
+    )
+    lab_input = lab.add_mutually_exclusive_group(required=True)
+    lab_input.add_argument("--table", help="replay cdc.<table>'s late-data ledger")
+    lab_input.add_argument("--scenario", choices=SCENARIOS, help="replay a simulated stream (16 h after 8 h of history)")
+    lab.add_argument("--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)} late-budget:<budget>)")
+    lab.add_argument("--budget", type=float, default=0.001, help="share of records accepted late after finalization (default 0.001)")
+    lab.add_argument("--out", default="policy-lab", help="plot files: <out>.png and <out>.html (default ./policy-lab)")
+    lab.add_argument("--seed", type=int, default=13, help="seed of the simulated stream (default 13)")
+
     args = parser.parse_args(argv)
     secrets = (getattr(args, "source", None), *Settings.from_env().secrets())
     handler = logging.StreamHandler()
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "report": _report}[args.command](args)
+        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "report": _report,
+                "policy-lab": _policy_lab}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
         return 2
@@ -100,6 +117,8 @@ class _RedactingFormatter(logging.Formatter):
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    if args.watermark_policy is not None:
+        WatermarkPolicy.parse(args.watermark_policy)  # a bad one is refused before the catalog is touched
     catalog = load_partfin_catalog()
     spec = _ingest_spec(catalog, args)
     source = make_source(args.source, spec, primary_key=args.primary_key, **({"follow": True} if args.follow else {}))
@@ -126,9 +145,17 @@ def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
 
     source_kind(args.source)  # an unknown kind is refused before the catalog is touched
     identifier = f"cdc.{args.table}"
+    policy = args.watermark_policy
+    if policy is not None:
+        policy = str(WatermarkPolicy.parse(policy))
     if catalog.table_exists(identifier):
-        return TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
-    return source_table_spec(args.source, args.table, args.primary_key)
+        spec = TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
+        if policy is not None and policy != spec.watermark_policy:  # its first checkpoint records the change
+            set_table_properties(catalog, identifier, {K.PROP_WATERMARK_POLICY: policy})
+            spec = dataclasses.replace(spec, watermark_policy=policy)
+        return spec
+    spec = source_table_spec(args.source, args.table, args.primary_key)
+    return spec if policy is None else dataclasses.replace(spec, watermark_policy=policy)
 
 
 def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
@@ -233,6 +260,24 @@ def _streams(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
               f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
+    return 0
+
+
+def _policy_lab(args: argparse.Namespace) -> int:
+    if not 0 < args.budget < 1:
+        raise InvalidInput(f"--budget must be in (0, 1), got {args.budget:g}")
+    if args.scenario is not None:
+        data = simulate(args.scenario, seed=args.seed)
+    else:
+        catalog = load_partfin_catalog()
+        load_existing_table(catalog, f"cdc.{args.table}")  # a clear error for a table that is not there
+        data = recorded(read_ledger(catalog, f"cdc.{args.table}", columns=LAB_COLUMNS), args.table)
+    policies = args.policies or [*DEFAULT_POLICIES, f"late-budget:{args.budget:g}"]
+    report, lab = run_lab(data, policies, args.budget)
+    print(report.table())
+    png, page = write_plot(report, lab, Path(args.out))
+    print(f"\nrecommended: {report.recommended} (the smallest median lag within {args.budget:.2%} late)")
+    print(f"plot: {png} and {page}")
     return 0
 
 

@@ -18,7 +18,8 @@ T0 = datetime(2026, 11, 1, tzinfo=UTC)
 T0_US = to_us(T0)
 MINUTE_US = 60_000_000
 HOUR_US = 3_600_000_000
-ORDERS = TableSpec("orders", ("id",), {"id": pa.int64(), "amount": pa.float64()})
+# min-of-last:3: the policy most tests here reason about (one commit is one step); new tables default to late-budget
+ORDERS = TableSpec("orders", ("id",), {"id": pa.int64(), "amount": pa.float64()}, watermark_policy="min-of-last:3")
 
 
 @pytest.fixture

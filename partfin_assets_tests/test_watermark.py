@@ -14,12 +14,13 @@ from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.history import watermark_history
 from partfin_assets.iceberg.streams import retire_stream
 from partfin_assets.ingest.extensions import CommitProcessor
-from partfin_assets.ingest.watermark_policy import PolicyError, WatermarkPolicy
+from partfin_assets.ingest.watermark_policy import BUDGET_FALLBACK_WINDOW, PolicyError, WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import cdc_records
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.stats import CommitWindow
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
 from partfin_assets.model.timeutil import from_us, iso_z
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
@@ -36,14 +37,22 @@ def wm(hours: int) -> str:
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("min-of-last:3", WatermarkPolicy(3)), ("percentile:0.001:last:3", WatermarkPolicy(3, 0.001)), (None, WatermarkPolicy(3))],
+    [
+        ("min-of-last:3", WatermarkPolicy("min-of-last", CommitWindow(commits=3))),
+        ("min-of-last:30m", WatermarkPolicy("min-of-last", CommitWindow(span_us=30 * MINUTE_US))),
+        ("percentile:0.001:last:3", WatermarkPolicy("percentile", CommitWindow(commits=3), quantile=0.001)),
+        ("percentile:0.001:last:2h", WatermarkPolicy("percentile", CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
+        ("late-budget:0.001", WatermarkPolicy("late-budget", BUDGET_FALLBACK_WINDOW, budget=0.001)),
+        (None, WatermarkPolicy.parse(DEFAULT_WATERMARK_POLICY)),
+    ],
 )
 def test_policy_parses(text, expected):
     assert WatermarkPolicy.parse(text) == expected
     assert WatermarkPolicy.parse(str(expected)) == expected
 
 
-@pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3"])
+@pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3",
+                                  "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget"])
 def test_bad_policy_names_the_problem(text):
     with pytest.raises(PolicyError, match=re.escape(repr(text))):
         WatermarkPolicy.parse(text)

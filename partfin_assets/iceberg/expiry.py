@@ -2,8 +2,8 @@
 
 Commit cost in PyIceberg grows with the snapshots kept in table metadata, so a
 streaming writer expires old snapshots as it goes. Never expired: the newest
-`keep_last` snapshots of main, each writer's last `lookback` stats-bearing commits
-(its stream's policy window), the newest checkpoint of every writer (its resume
+`keep_last` snapshots of main, each progress stream's policy window (its last X
+stats-bearing commits, or those of the last span of arrival), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
 branch or tag points at (the upsert tags the CDC snapshot it merged). Before checkpoints
 expire, the late-data ledger records any it does not hold yet (iceberg/ledger.py).
@@ -18,11 +18,11 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 
 from partfin_assets.iceberg.commit import remove_snapshots
-from partfin_assets.iceberg.history import lineage, summary_of
+from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput
-from partfin_assets.model.stats import commit_stats
+from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats, source_clock_us
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +37,42 @@ class Retention:
             raise InvalidInput(f"retention needs keep_last >= 1 and slack >= 0, got {self}")
 
 
-def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, lookback: int) -> set[int]:
+def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: CommitWindow | int) -> set[int]:
+    if isinstance(window, int):
+        window = CommitWindow(commits=window)
     keep: set[int] = {ref.snapshot_id for ref in metadata.refs.values()}
-    stats_seen: dict[str | None, int] = {}  # per writer: its stream's policy window
+    stats_seen: dict[str | None, int] = {}  # per stream: its policy window
+    newest_clock: dict[str | None, int] = {}
     writers_seen: set[str] = set()
     for position, snapshot in enumerate(lineage(metadata)):
         summary = summary_of(snapshot)
         if position < keep_last:
             keep.add(snapshot.snapshot_id)
         writer = summary.get(K.WRITER_ID)
-        if stats_seen.get(writer, 0) < lookback and commit_stats(summary) is not None:
-            stats_seen[writer] = stats_seen.get(writer, 0) + 1
-            keep.add(snapshot.snapshot_id)
+        stream = commit_stream(summary)
+        taken = stats_seen.get(stream, 0)
+        if (window.commits is None or taken < window.commits) and commit_stats(summary) is not None:
+            clock = source_clock_us(summary) or commit_clock_us(summary, snapshot.timestamp_ms)  # its arrival clock
+            newest = newest_clock.setdefault(stream, clock)
+            if window.holds(taken, clock, newest):
+                stats_seen[stream] = taken + 1
+                keep.add(snapshot.snapshot_id)
         if writer is not None and writer not in writers_seen:
             writers_seen.add(writer)
             keep.add(snapshot.snapshot_id)
     return keep
 
 
-def expire_snapshots(table: Table, retention: Retention, lookback: int) -> int:
+def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int) -> int:
     """Expire what retention allows once enough piled up; returns how many snapshots were expired.
 
-    `table` is the caller's freshly committed view of the table.
+    `table` is the caller's freshly committed view of the table; `window`: the watermark policy's
+    window per progress stream (kept).
     """
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
         return 0
-    keep = protected_snapshot_ids(table.metadata, retention.keep_last, lookback)
+    keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0

@@ -11,7 +11,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.source_identity import SourceIdentity
-from partfin_assets.model.stats import CommitStats, commit_stats
+from partfin_assets.model.stats import CommitStats, CommitWindow, commit_clock_us, commit_stats
 from partfin_assets.model.timeutil import parse_iso, to_us
 
 
@@ -44,25 +44,54 @@ def summary_of(snapshot: Snapshot) -> dict[str, str]:
     return snapshot.summary.additional_properties if snapshot.summary else {}
 
 
-def recent_commit_stats(
-    metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None, stream_id: str | None = None
-) -> list[CommitStats]:
-    """The last `limit` stats-bearing commits of the main branch (of one writer / progress stream, if given), newest first."""
+@dataclass(frozen=True)
+class StreamWindow:
+    commits: list[CommitStats]  # in the window, newest first
+    boundary: CommitStats | None  # the stream's next older stats-bearing commit, outside the window (None: none retained)
+
+
+def stream_window(
+    metadata: TableMetadata,
+    window: CommitWindow,
+    *,
+    taken: int = 0,
+    newest_arrival_us: int | None = None,
+    with_digest: bool = False,
+    writer_id: str | None = None,
+    stream_id: str | None = None,
+) -> StreamWindow:
+    """The retained stats-bearing commits of main in `window`, newest first (of one writer / progress stream, if given).
+
+    `taken`: commits already in the window (the one being committed); `newest_arrival_us`: the
+    arrival clock a span window reaches back from (default: the newest commit's). A span window
+    holds the commits whose arrival clock (`CommitStats.arrival_clock_us`) lies within it.
+    """
     found: list[CommitStats] = []
-    if limit <= 0:
-        return found
     for snapshot in lineage(metadata):
         summary = summary_of(snapshot)
         if writer_id is not None and summary.get(K.WRITER_ID) != writer_id:
             continue
         if stream_id is not None and commit_stream(summary) != stream_id:
             continue
-        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest)
-        if entry is not None:
-            found.append(entry)
-            if len(found) == limit:
-                break
-    return found
+        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest,
+                             clock_us=commit_clock_us(summary, snapshot.timestamp_ms))
+        if entry is None:
+            continue
+        if newest_arrival_us is None:
+            newest_arrival_us = entry.arrival_clock_us
+        if not window.holds(taken + len(found), entry.arrival_clock_us, newest_arrival_us):
+            return StreamWindow(found, entry)
+        found.append(entry)
+    return StreamWindow(found, None)
+
+
+def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None,
+                        stream_id: str | None = None) -> list[CommitStats]:
+    """The last `limit` stats-bearing commits of main (of one writer / progress stream, if given), newest first."""
+    if limit <= 0:
+        return []
+    return stream_window(metadata, CommitWindow(commits=limit), with_digest=with_digest, writer_id=writer_id,
+                         stream_id=stream_id).commits
 
 
 def commit_stream(summary: Mapping[str, str]) -> str | None:
@@ -205,6 +234,11 @@ def recorded_value(metadata: TableMetadata, key: str, snapshot: Snapshot | None 
 def recorded_watermark(metadata: TableMetadata, snapshot: Snapshot | None = None) -> int | None:
     """The watermark recorded as of `snapshot` (default: the head): what a reader of that snapshot saw."""
     return watermark_of({K.WATERMARK: recorded_value(metadata, K.WATERMARK, snapshot) or ""})
+
+
+def applied_policy(metadata: TableMetadata) -> str | None:
+    """The watermark policy the newest checkpoint recorded it ran (None: none recorded one yet)."""
+    return recorded_value(metadata, K.WATERMARK_POLICY_APPLIED)
 
 
 def late_records_total(metadata: TableMetadata) -> int:

@@ -54,7 +54,10 @@ from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
-from partfin_assets.model.stats import compact_json, digest_from_dict, digest_of_sorted, tdigest_dict
+from partfin_assets.model.stats import (
+    CommitStats, EventTimeStats, commit_clock_us, compact_json, digest_from_dict, digest_of_sorted, source_clock_us, suspect_future,
+    tdigest_dict,
+)
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, parse_iso, to_us
 
@@ -65,7 +68,8 @@ LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
 UTC_US = pa.timestamp("us", tz="UTC")
 
 __all__ = [
-    "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "ensure_ledger_table",
+    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "dotted_identifier",
+    "ensure_ledger_table", "ledger_commit_stats",
     "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
 ]
 
@@ -85,6 +89,8 @@ class Checkpoint:
     commit_time_us: int  # the writer's clock for the commit
     watermark_us: int | None  # the watermark this commit recorded
     late_by_hour: Mapping[int, int]  # hour (us) -> records that came below the watermark before the commit
+    heartbeat_us: int | None = None  # a commit without records: the source's heartbeat (its row's arrival range)
+    source_clock_us: int | None = None  # its partfin.source-clock
 
     @classmethod
     def of_commit(cls, writer_id: str, checkpoint_id: int, snapshot: Snapshot, clock_us: int | None = None) -> Checkpoint:
@@ -92,14 +98,17 @@ class Checkpoint:
         summary = summary_of(snapshot)
         stream = writer_id if writer_id == REPLAY_STREAM else commit_stream(summary) or writer_id
         if clock_us is None:
-            clock = summary.get(K.COMMIT_CLOCK)
-            clock_us = to_us(parse_iso(clock)) if clock else snapshot.timestamp_ms * 1000
+            clock_us = commit_clock_us(summary, snapshot.timestamp_ms)
+        heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
+        if heartbeat is not None and "heartbeat" in suspect_future(summary):
+            heartbeat = None  # from a clock ahead of ours: it claims nothing
         return cls(writer_id, stream, checkpoint_id, snapshot.snapshot_id, snapshot.sequence_number, clock_us, watermark_of(summary),
-                   _late_by_hour(summary))
+                   _late_by_hour(summary), to_us(parse_iso(heartbeat)) if heartbeat is not None else None, source_clock_us(summary))
 
 
 def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None = None) -> pa.Table:
-    """The ledger rows of one checkpoint: one per event hour of its records (one row, hour null, without records).
+    """The ledger rows of one checkpoint: one per event hour of its records (one row, hour null, without records;
+    a heartbeat is that row's arrival range).
 
     `event_time_us`: the records' event times (int64 epoch us, any order); `arrival`: their
     `arrival_time` column in the same order (nulls, or None: the commit clock is the arrival).
@@ -107,7 +116,9 @@ def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: 
     c = checkpoint
     event_time_us = np.asarray(event_time_us, dtype=np.int64)
     if event_time_us.size == 0:
-        return _table([_row(c, None, 0, 0)])
+        row = _row(c, None, 0, 0)
+        row["arrival_min"] = row["arrival_max"] = c.heartbeat_us
+        return _table([row])
     arrivals = known = None
     if arrival is not None and len(arrival) and pc.count(arrival).as_py():  # some arrival times known
         arrival_int = pc.cast(arrival, pa.int64())
@@ -141,7 +152,7 @@ def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
         "stream": c.stream, "checkpoint_id": c.checkpoint_id, "snapshot_id": c.snapshot_id, "sequence_number": c.sequence_number,
         "commit_time": c.commit_time_us, "arrival_min": None, "arrival_max": None, "hour": hour_us, "records": records,
         "late_records": late, "event_time_min": None, "event_time_max": None, "event_time_digest": None,
-        "lateness_digest": None, "watermark": c.watermark_us, "writer_id": c.writer_id,
+        "lateness_digest": None, "watermark": c.watermark_us, "writer_id": c.writer_id, "source_clock": c.source_clock_us,
     }
 
 
@@ -309,7 +320,7 @@ def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = N
     (table metadata only); rows of a missing checkpoint are rebuilt from the data files its
     snapshot added, so they equal the ones its writer would have recorded.
     """
-    identifier = _dotted(cdc)
+    identifier = dotted_identifier(cdc)
     ledger = ensure_ledger_table(catalog, identifier)
     recorded = recorded_checkpoints(ledger.properties)
     missing: list[tuple[str, int, Snapshot]] = []  # (writer id, checkpoint id, its snapshot)
@@ -357,7 +368,8 @@ def _late_by_hour(summary: Mapping[str, str]) -> dict[int, int]:
     return {to_us(parse_iso(h)): int(n) for h, n in json.loads(text).items()} if text else {}
 
 
-def _dotted(table: Table) -> str:
+def dotted_identifier(table: Table) -> str:
+    """`namespace.name` of a loaded table."""
     name = table.name()
     return name if isinstance(name, str) else ".".join(name)
 
@@ -372,11 +384,10 @@ def read_ledger(
     there is no ledger yet."""
     names = list(columns) if columns is not None else LEDGER_ARROW_SCHEMA.names
     ledger = load_table_if_exists(catalog, ledger_identifier(cdc_identifier))
-    if ledger is None:
+    if ledger is None or ledger.current_snapshot() is None:
         data = LEDGER_ARROW_SCHEMA.empty_table().select(names)
     else:
-        data = ledger.scan(row_filter=row_filter, selected_fields=tuple(names)).to_arrow() if ledger.current_snapshot() is not None else \
-            LEDGER_ARROW_SCHEMA.empty_table().select(names)
+        data = ledger.scan(row_filter=row_filter, selected_fields=tuple(names)).to_arrow()
     frame = pl.from_arrow(data)
     assert isinstance(frame, pl.DataFrame)
     order = [c for c in ("commit_time", "stream", "checkpoint_id", "hour") if c in names]
@@ -436,3 +447,54 @@ def hour_totals(ledger: pl.DataFrame) -> pl.DataFrame:
 
 def _clamped_us(seconds: float, bound: tuple[int, int]) -> int:
     return min(max(int(round(seconds * US_PER_SECOND)), bound[0]), bound[1])
+
+
+COMMIT_STATS_COLUMNS = ("stream", "checkpoint_id", "snapshot_id", "commit_time", "source_clock", "arrival_min", "arrival_max", "hour",
+                        "records", "event_time_min", "event_time_max", "event_time_digest")
+
+
+def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: bool = False) -> list[CommitStats]:
+    """The stats-bearing checkpoints among ledger rows (COMMIT_STATS_COLUMNS), as the watermark policy sees
+    them, in the order of the rows' first appearance (read_ledger: oldest first).
+
+    The same as a retained snapshot's `commit_stats`: low = min event time (or the heartbeat of a
+    checkpoint without records); event hours past the commit clock + `tolerance_us` are suspect and
+    claim nothing (a checkpoint of only those, or one without records or heartbeat, is left out).
+    Also the frontier late-budget reads: arrival = the latest source arrival (None: the commit
+    clock), high = the latest plausible event time (to the hour's rows: capped at clock + tolerance)
+    or heartbeat.
+    """
+    out: list[CommitStats] = []
+    rows = rows.filter(pl.col("stream") != REPLAY_STREAM)  # an hour's replay is no checkpoint of a stream
+    if rows.is_empty():
+        return out
+    frame = rows.with_columns(
+        *(pl.col(c).dt.epoch("us") for c in ("commit_time", "source_clock", "arrival_min", "arrival_max", "hour", "event_time_min",
+                                             "event_time_max"))
+    )
+    for part in frame.partition_by(["stream", "checkpoint_id"], maintain_order=True):
+        clock = int(part["commit_time"][0])
+        limit = clock + tolerance_us
+        data = part.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0))
+        plausible = data.filter(pl.col("hour") <= limit)
+        arrival_max = part["arrival_max"].drop_nulls()
+        arrival = int(arrival_max.max()) if arrival_max.len() and arrival_max.max() <= limit else None
+        snapshot_id = int(part["snapshot_id"][0])
+        source_clock = part["source_clock"][0]
+        if data.is_empty():
+            if arrival is None:
+                continue  # no records (only rejected lines) and no heartbeat: no progress
+            out.append(CommitStats(snapshot_id, arrival, EventTimeStats(), clock, arrival, arrival, source_clock))
+            continue
+        if plausible.is_empty():
+            continue  # all of it from a clock ahead of ours
+        high = int(min(plausible["event_time_max"].max(), limit))
+        stats = EventTimeStats(int(data["records"].sum()), int(data["event_time_min"].min()), int(data["event_time_max"].max()))
+        if with_digest:
+            digests = [digest_from_dict(json.loads(t)) for t in data.sort("hour")["event_time_digest"].to_list()]
+            merged = digests[0]
+            for digest in digests[1:]:
+                merged = merged.merge(digest)
+            stats = EventTimeStats(stats.count, stats.min_us, stats.max_us, merged)
+        out.append(CommitStats(snapshot_id, stats.min_us, stats, clock, arrival, high, source_clock))
+    return out

@@ -91,6 +91,8 @@ LEDGER_SCHEMA = Schema(
     NestedField(15, "watermark", TimestamptzType(), required=False),
     # the writer whose checkpoint ids these are (`stream` is its progress stream: a Kafka partition's, or its own)
     NestedField(16, "writer_id", StringType(), required=False),
+    # the checkpoint's partfin.source-clock: the source's processing time (windows in arrival time read it)
+    NestedField(17, "source_clock", TimestamptzType(), required=False),
 )
 
 

@@ -59,6 +59,11 @@ class CommitContext:
     # the progress stream this checkpoint belongs to: the writer's own, or a source partition's
     # (`<writer id>/<topic>-<partition>`); None: the writer's own
     stream_id: str | None = None
+    # the latest source arrival time (processing time, e.g. Debezium's envelope ts_ms) among the
+    # checkpoint's records; None when the source gives none
+    arrival_us: int | None = None
+    # the source's processing time as of this checkpoint (partfin.source-clock, see the writer)
+    source_clock_us: int | None = None
 
     @property
     def stream(self) -> str:

@@ -9,16 +9,20 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
+from pyiceberg.expressions import EqualTo, GreaterThanOrEqual
 from pyiceberg.table.snapshots import Snapshot
 
-from partfin_assets.iceberg.history import late_records_total, recent_commit_stats, watermark_of
+from partfin_assets.iceberg.history import applied_policy, late_records_total, stream_window, watermark_of
+from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifier, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import active_streams, progress_floor
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy, advance
+from partfin_assets.ingest.watermark_policy import (
+    LATE_BUDGET, LEARN_COLUMNS, LEARN_HISTORY_US, LEARN_MATURITY_US, LearnedDelay, PolicyError, WatermarkPolicy, advance, learn_delay,
+)
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds, suspect_future
-from partfin_assets.model.timeutil import US_PER_SECOND, floor_hour_us, iso_z, parse_duration
+from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json, hour_bounds, suspect_future
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_duration, parse_iso, to_us
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,48 @@ def suspect_future_entry(sorted_event_time_us: np.ndarray, heartbeat_us: int | N
     return entry
 
 
+@dataclass(frozen=True)
+class PolicyChange:
+    """The table property partfin.watermark-policy.change: the policy's last change, as checkpoints saw it."""
+
+    before: str
+    to: str
+    requested_at_us: int  # clock of the first checkpoint that ran under the new policy
+    effective_at_us: int | None  # clock of the first one whose whole window was known (None: not yet)
+
+    @classmethod
+    def decode(cls, text: str | None) -> PolicyChange | None:
+        if not text:
+            return None
+        entry = json.loads(text)
+        effective = entry.get("effective-at")
+        return cls(entry["from"], entry["to"], to_us(parse_iso(entry["requested-at"])), to_us(parse_iso(effective)) if effective else None)
+
+    def encode(self) -> str:
+        return compact_json({"from": self.before, "to": self.to, "requested-at": iso_z(self.requested_at_us),
+                             "effective-at": iso_z(self.effective_at_us) if self.effective_at_us is not None else None})
+
+    def before_covers(self, window: CommitWindow) -> bool:
+        """Whether expiry, keeping the window of the policy before, kept all that `window` needs."""
+        try:
+            return WatermarkPolicy.parse(self.before).window.covers(window)
+        except PolicyError:
+            return False
+
+    def effective(self, clock_us: int) -> PolicyChange:
+        return PolicyChange(self.before, self.to, self.requested_at_us, clock_us)
+
+    def settled(self, window: CommitWindow, retained: list[CommitStats], boundary: CommitStats | None) -> bool:
+        """Whether the retained snapshots hold the whole window: expiry kept enough for the policy before,
+        or every commit in it was made since the change (expiry keeps the new window from then on):
+        the window is full (a count) or the commit just beyond it was made since the change (a span)."""
+        if self.before_covers(window):
+            return True
+        if window.commits is not None:
+            return len(retained) >= window.commits and retained[-1].clock_us >= self.requested_at_us
+        return boundary is not None and boundary.clock_us >= self.requested_at_us
+
+
 def table_candidate(ctx: CommitContext) -> int | None:
     """The minimum progress over the table's active streams, this commit's own stream included.
 
@@ -114,25 +160,31 @@ class WatermarkProcessor(CommitProcessor):
         metadata = ctx.table.metadata
         policy = WatermarkPolicy.parse(metadata.properties.get(K.PROP_WATERMARK_POLICY))
         previous = watermark_of(metadata.properties)
+        change = self._policy_change(ctx, policy)
+        ctx.summary[K.WATERMARK_POLICY_APPLIED] = str(policy)
 
+        tolerance = future_tolerance_us(metadata.properties)
         heartbeat = ctx.heartbeat_us if event_times.stats.is_empty else None
-        suspect = suspect_future_entry(event_times.event_time_us, heartbeat, ctx.clock_us, future_tolerance_us(metadata.properties))
+        suspect = suspect_future_entry(event_times.event_time_us, heartbeat, ctx.clock_us, tolerance)
         if suspect:
             ctx.summary[K.SUSPECT_FUTURE] = compact_json(suspect)
         # what this commit claims: its min event time (ascending, so never a suspect one unless all
         # are), or its heartbeat; nothing when all of it lay in the future
+        limit = ctx.clock_us + tolerance
+        arrival = ctx.arrival_us if ctx.arrival_us is not None and ctx.arrival_us <= limit else None
         this_commit: list[CommitStats] = []
         if not event_times.stats.is_empty and suspect.get("records", 0) < event_times.stats.count:
-            this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats)]
+            plausible = int(np.searchsorted(event_times.event_time_us, limit, side="right"))
+            high = int(event_times.event_time_us[plausible - 1])
+            this_commit = [CommitStats(None, event_times.stats.min_us, event_times.stats, ctx.clock_us, arrival, high, ctx.source_clock_us)]
         elif heartbeat is not None and "heartbeat" not in suspect:
-            this_commit = [CommitStats(None, heartbeat, event_times.stats)]
+            this_commit = [CommitStats(None, heartbeat, event_times.stats, ctx.clock_us, heartbeat, heartbeat, ctx.source_clock_us)]
         if this_commit:  # a commit without stats leaves its stream's progress where it is
-            window = this_commit + recent_commit_stats(
-                metadata, policy.lookback - 1, with_digest=policy.quantile is not None, writer_id=ctx.writer_id,
-                stream_id=ctx.stream,
-            )
-            candidate = policy.candidate_us(window)
-            ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.clock_us))
+            delay = self._learned_delay(ctx, policy) if policy.kind == LATE_BUDGET else None
+            window = this_commit if delay is not None else self._window(ctx, policy, change, tolerance, this_commit)
+            if window is not None:  # None: the new policy's history is not there yet, the stream holds
+                candidate = policy.candidate_us(window, delay)
+                ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.clock_us))
         watermark = advance(previous, table_candidate(ctx))
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
@@ -145,6 +197,73 @@ class WatermarkProcessor(CommitProcessor):
             ctx.summary[K.WATERMARK] = iso_z(watermark)
             if watermark != previous:
                 ctx.properties[K.PROP_WATERMARK] = iso_z(watermark)
+
+    # ---- the window, and changes of the policy
+
+    def _window(self, ctx: CommitContext, policy: WatermarkPolicy, change: PolicyChange | None, tolerance_us: int,
+                this_commit: list[CommitStats]) -> list[CommitStats] | None:
+        """This commit and the stream's older ones in the policy's window, from the retained snapshots.
+
+        Right after the policy changed to one that looks further back than the one before, part of
+        its window may have expired: until the window holds only commits made since the change
+        (expiry keeps the new window from then on), the rest comes from the late-data ledger, which
+        records every checkpoint before its snapshot can expire. None: not even the ledger has it.
+        """
+        newest = this_commit[0].arrival_clock_us
+        found = stream_window(ctx.table.metadata, policy.window, taken=1, newest_arrival_us=newest, with_digest=policy.needs_digest,
+                              writer_id=ctx.writer_id, stream_id=ctx.stream)
+        retained = this_commit + found.commits
+        if change is None or change.settled(policy.window, retained, found.boundary):
+            return retained
+        rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
+                           row_filter=EqualTo("stream", ctx.stream))
+        recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
+        known = {c.snapshot_id: c for c in recorded if c.clock_us < ctx.clock_us}
+        known.update({c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None})
+        window = list(this_commit)
+        complete = True
+        for commit in sorted(known.values(), key=lambda c: c.clock_us, reverse=True):
+            if not policy.window.holds(len(window), commit.arrival_clock_us, newest):
+                break  # a commit older than the window: the window is whole
+            window.append(commit)
+        else:  # the window reaches back to the stream's first known commit: older ones, if any, only the ledger
+            # could hold (it records every checkpoint before its snapshot expires), unless the table is older than it
+            complete = len(window) == policy.window.commits or bool(recorded)
+        if not complete:
+            log.warning("%s: the window of policy %s reaches past what the table and its ledger hold: stream %s holds "
+                        "its progress until it has that history", ctx.table_name, policy, ctx.stream)
+            return None
+        if change.effective_at_us is None:
+            ctx.properties[K.PROP_WATERMARK_POLICY_CHANGE] = change.effective(ctx.clock_us).encode()
+        return window
+
+    def _policy_change(self, ctx: CommitContext, policy: WatermarkPolicy) -> PolicyChange | None:
+        """The table's last policy change; a new one when the property differs from the policy last applied."""
+        properties = ctx.table.metadata.properties
+        change = PolicyChange.decode(properties.get(K.PROP_WATERMARK_POLICY_CHANGE))
+        before = change.to if change is not None else applied_policy(ctx.table.metadata)
+        if before is None or before == str(policy):
+            return change
+        change = PolicyChange(before, str(policy), ctx.clock_us, None)
+        if change.before_covers(policy.window):
+            change = change.effective(ctx.clock_us)  # what expiry kept for the old policy is enough
+        log.warning("%s: watermark policy changed from %s to %s", ctx.table_name, before, policy)
+        ctx.properties[K.PROP_WATERMARK_POLICY_CHANGE] = change.encode()
+        return change
+
+    def _learned_delay(self, ctx: CommitContext, policy: WatermarkPolicy) -> int | None:
+        """late-budget's delay: as the table property recorded it, learned again from the ledger when stale."""
+        properties = ctx.table.metadata.properties
+        text = properties.get(K.PROP_LATE_BUDGET_LEARNED)
+        entry = json.loads(text) if text else None
+        learned = LearnedDelay.from_json(entry) if entry is not None and entry.get("budget") == policy.budget else None
+        if learned is None or learned.stale(ctx.clock_us):
+            since = ctx.clock_us - LEARN_MATURITY_US - LEARN_HISTORY_US - US_PER_HOUR
+            rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=LEARN_COLUMNS,
+                               row_filter=GreaterThanOrEqual("hour", from_us(floor_hour_us(since)).isoformat()))
+            learned = learn_delay(rows, policy.budget, ctx.clock_us)
+            ctx.properties[K.PROP_LATE_BUDGET_LEARNED] = compact_json({"budget": policy.budget, **learned.to_json()})
+        return learned.delay_us
 
     def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
         suspect = suspect_future(ctx.summary)

@@ -48,7 +48,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records, with_source_log
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
-from partfin_assets.model.stats import EventTimeStats, suspect_future
+from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_clock_us, suspect_future
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
@@ -179,6 +179,9 @@ class CdcWriter:
         if rejected:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
 
+        arrival_max = None
+        if records.num_rows and ARRIVAL_TIME in records.schema.names:
+            arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
         contexts: list[CommitContext] = []
         source_clocks: list[int | None] = []
         start = self.position
@@ -193,14 +196,15 @@ class CdcWriter:
             clock_us = to_us(self.clock())
             streams = streams_of(table.properties)
             stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
+            observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
+            source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
+            source_clocks.append(source_clock)
             ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
-                                stream_progress_us=stream.progress_us, stream_id=stream_id)
+                                stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max,
+                                source_clock_us=source_clock)
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
-            observed = self._source_clock_of(records, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
-            source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
-            source_clocks.append(source_clock)
             source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
             summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)}, commit_id, JobKind.INTO)
             tx = new_transaction(table)
@@ -234,7 +238,7 @@ class CdcWriter:
         if expiry_due(result.table, self.retention) and self._ledger.pending >= self.retention.keep_last:
             # some of them may expire now: recorded from memory, not rebuilt by expiry's reconcile from files
             self._ledger.flush()
-        expire_snapshots(result.table, self.retention, self._policy_lookback())
+        expire_snapshots(result.table, self.retention, self._policy_window())
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary)
 
     def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table) -> None:
@@ -357,13 +361,10 @@ class CdcWriter:
         source_clock = self._source_clock(stream_id)
         return source_clock is None or heartbeat_us - source_clock >= self.heartbeat_interval_us
 
-    def _source_clock_of(self, records: pa.Table, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
+    def _source_clock_of(self, arrival_max: int | None, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
         """The source's processing time as of a checkpoint: its heartbeat, else its records' latest arrival,
         else their latest plausible event time; a time beyond the commit's clock + tolerance never counts."""
         limit = clock_us + future_tolerance_us(self.table.properties)
-        arrival_max = None
-        if records.num_rows and ARRIVAL_TIME in records.schema.names:
-            arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
         for candidate in (heartbeat_us, arrival_max):
             if candidate is not None and candidate <= limit:
                 return candidate
@@ -379,8 +380,9 @@ class CdcWriter:
             summary = summary_of(snapshot)
             if summary.get(K.WRITER_ID) != self.writer_id or commit_stream(summary) != stream_id:
                 continue
-            if K.SOURCE_CLOCK in summary:
-                return to_us(parse_iso(summary[K.SOURCE_CLOCK]))
+            recorded = source_clock_us(summary)
+            if recorded is not None:
+                return recorded
             if K.EVENT_TIME_HEARTBEAT in summary and not suspect_future(summary):
                 return to_us(parse_iso(summary[K.EVENT_TIME_HEARTBEAT]))
             stats = EventTimeStats.from_summary(summary, with_digest=False)
@@ -388,8 +390,8 @@ class CdcWriter:
                 return stats.max_us
         return None
 
-    def _policy_lookback(self) -> int:
-        return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).lookback
+    def _policy_window(self) -> CommitWindow:
+        return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).window
 
     # ---- running a source
 

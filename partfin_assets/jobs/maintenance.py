@@ -19,22 +19,23 @@ from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.stats import CommitWindow
 
 log = logging.getLogger(__name__)
 
 
-def policy_lookback(table: Table) -> int:
-    """X of the table's watermark policy (1 for tables without one, e.g. base.<table>)."""
+def policy_window(table: Table) -> CommitWindow:
+    """The window of the table's watermark policy (the last commit for tables without one, e.g. base.<table>)."""
     if K.PROP_WATERMARK_POLICY not in table.properties:
-        return 1
-    return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).lookback
+        return CommitWindow(commits=1)
+    return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).window
 
 
 def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None) -> int:
     """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need."""
     table = catalog.load_table(identifier)
     retention = retention or Retention()
-    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_lookback(table))
+    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_window(table))
 
 
 def _normalize(path: str) -> str:

@@ -290,9 +290,62 @@ class CommitStats:
     snapshot_id: int | None
     low_us: int  # its min event time, or its heartbeat time when it carried no records
     stats: EventTimeStats  # empty for heartbeat-only commits
+    clock_us: int | None = None  # its commit clock (the writer's)
+    # the commit being made, for late-budget: the source's processing time (None: the commit clock),
+    # and its latest plausible event time or heartbeat
+    arrival_us: int | None = None
+    high_us: int | None = None
+    source_clock_us: int | None = None  # its partfin.source-clock: the source's processing time
+
+    @property
+    def arrival_clock_us(self) -> int | None:
+        """When the commit's data arrived, as windows in arrival time see it: the source's processing
+        time (a file replayed fast keeps the pace it was written at), else the commit clock."""
+        return self.source_clock_us if self.source_clock_us is not None else self.clock_us
 
 
-def commit_stats(summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False) -> CommitStats | None:
+@dataclass(frozen=True)
+class CommitWindow:
+    """The recent stats-bearing commits of a stream a watermark policy looks at, newest first:
+    the last `commits` of them, or those whose arrival clock lies within `span_us` of the newest's."""
+
+    commits: int | None = None
+    span_us: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.commits is None) == (self.span_us is None):
+            raise ValueError("a commit window has either a commit count or a span")
+
+    def holds(self, taken: int, clock_us: int | None, newest_clock_us: int) -> bool:
+        """Whether the next older commit belongs to the window, `taken` newer ones being in it already."""
+        if self.commits is not None:
+            return taken < self.commits
+        return clock_us is not None and clock_us > newest_clock_us - self.span_us
+
+    def covers(self, other: CommitWindow) -> bool:
+        """Whether what this window keeps always includes what `other` needs (same unit, no longer)."""
+        if self.commits is not None:
+            return other.commits is not None and other.commits <= self.commits
+        return other.span_us is not None and other.span_us <= self.span_us
+
+
+def commit_clock_us(summary: Mapping[str, str], timestamp_ms: int | None = None) -> int | None:
+    """The writer's clock for a commit (`partfin.commit-clock`), else the snapshot's own timestamp."""
+    clock = summary.get(K.COMMIT_CLOCK)
+    if clock:
+        return to_us(parse_iso(clock))
+    return timestamp_ms * 1000 if timestamp_ms is not None else None
+
+
+def source_clock_us(summary: Mapping[str, str]) -> int | None:
+    """A checkpoint's `partfin.source-clock` (None: not recorded)."""
+    clock = summary.get(K.SOURCE_CLOCK)
+    return to_us(parse_iso(clock)) if clock else None
+
+
+def commit_stats(
+    summary: Mapping[str, str], snapshot_id: int | None = None, *, with_digest: bool = False, clock_us: int | None = None
+) -> CommitStats | None:
     """None for commits that claim no progress: without event-time stats (compaction, deletes,
     overwrites, stat-less appends), or whose every event time (or heartbeat) lay in the future
     of their commit clock (`partfin.suspect-future`: such times never drive progress)."""
@@ -303,11 +356,12 @@ def commit_stats(summary: Mapping[str, str], snapshot_id: int | None = None, *, 
     if not stats.is_empty:
         if suspect.get("records", 0) >= stats.count:
             return None
-        return CommitStats(snapshot_id, stats.min_us, stats)  # ascending: the min is never the suspect one
+        # ascending: the min is never the suspect one
+        return CommitStats(snapshot_id, stats.min_us, stats, clock_us, source_clock_us=source_clock_us(summary))
     heartbeat = summary.get(K.EVENT_TIME_HEARTBEAT)
     if heartbeat is None or "heartbeat" in suspect:
         return None
-    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats)
+    return CommitStats(snapshot_id, to_us(parse_iso(heartbeat)), stats, clock_us, source_clock_us=source_clock_us(summary))
 
 
 def suspect_future(summary: Mapping[str, str]) -> dict:

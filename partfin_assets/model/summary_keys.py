@@ -31,6 +31,8 @@ SUSPECT_FUTURE = "partfin.suspect-future"
 SOURCE_CLOCK = "partfin.source-clock"
 STREAM = "partfin.stream"  # the progress stream a checkpoint belongs to, when not its writer's own (Kafka: <writer id>/<topic>-<partition>)
 SOURCE = "partfin.source"  # JSON SourceIdentity of the history the writer reads (model/source_identity.py), beside its offset
+# the watermark policy that computed this checkpoint's watermark (the table property's text when it ran)
+WATERMARK_POLICY_APPLIED = "partfin.watermark.policy"
 COMMIT_CLOCK = "partfin.commit-clock"  # ISO Z: the writer's clock for this checkpoint (the ledger's commit_time)
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
@@ -72,6 +74,11 @@ PROP_PRIMARY_KEY = "partfin.primary-key"  # comma-separated primary-key columns
 PROP_COLUMNS = "partfin.columns"  # JSON {"<column>": "<type text>"}
 PROP_WATERMARK = "partfin.watermark"
 PROP_WATERMARK_POLICY = "partfin.watermark.policy"
+# JSON {"from", "to", "requested-at", "effective-at"}: the last change of the policy, as the first checkpoint
+# after it saw it (requested-at: that checkpoint's clock; effective-at: when the new policy had the history it needs)
+PROP_WATERMARK_POLICY_CHANGE = "partfin.watermark-policy.change"
+# JSON {"budget", "delay-s", "records", "learned-at-us"}: what a late-budget policy learned from the ledger, and when
+PROP_LATE_BUDGET_LEARNED = "partfin.watermark.late-budget"
 PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
 PROP_FUTURE_TOLERANCE = "partfin.event-time.future-tolerance"  # cdc: how far past the commit clock an event time is plausible (default 5m)

@@ -12,7 +12,7 @@ import pyarrow as pa
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY, PROP_WATERMARK_POLICY
 
-DEFAULT_WATERMARK_POLICY = "min-of-last:3"
+DEFAULT_WATERMARK_POLICY = "late-budget:0.001"
 
 _SIMPLE_TYPES = {
     "bool": pa.bool_(),

@@ -1,0 +1,447 @@
+"""The policy lab: how early and how right each watermark policy would have finalized a table's hours.
+
+Input is a late-data ledger (iceberg/ledger.py): the table's recorded one (`partfin policy-lab
+--table T`), or one built by `simulate` for a scenario (steady, outage, idle, bad-clocks) with the
+ledger's own row builder, so a user can try policies before having history. Each policy is
+replayed checkpoint by checkpoint with the code the writer runs (`WatermarkPolicy.candidate_us`,
+`learn_delay`, `advance`, the stream minimum and the clock cap of the watermark processor), so
+replaying a writer's own ledger gives back the watermarks it committed (a test holds it to that).
+
+Measured per policy, over the measured hours: the share of records written after their hour was
+finalized (late), and the median finalization lag (first commit at which the watermark passed
+hour H + 1 h, minus H + 1 h) against an oracle that knows each hour's last arrival: a never
+decreasing watermark can finalize H no earlier than the last arrival of any hour up to H. Two
+baselines are tuned to the same late share: a fixed delay (Flink's partition-time commit trigger:
+H is final at H + 1 h + D of arrival) and an idle time (Paimon's partition idle-time-to-done: H is
+final once no record of it arrived for I, and all hours before it are).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, Checkpoint, checkpoint_rows, ledger_commit_stats, read_ledger
+from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
+from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LEARN_MATURITY_US, LearnedDelay, WatermarkPolicy, advance, learn_delay
+from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import InvalidInput
+from partfin_assets.model.stats import CommitStats
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_iso, to_us
+
+SCENARIOS = ("steady", "outage", "idle", "bad-clocks")
+DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
+                    "percentile:0.001:last:30m")
+LAB_COLUMNS = tuple(dict.fromkeys(COMMIT_STATS_COLUMNS + ("lateness_digest", "watermark")))
+SIM_START_US = to_us(parse_iso("2026-11-01T00:00:00Z"))
+MINUTE_US = 60 * US_PER_SECOND
+
+
+# --------------------------------------------------------------------------- simulated streams
+
+
+@dataclass(frozen=True)
+class LabInput:
+    """Ledger rows to replay, and the event hours measured ([start, end), hour aligned)."""
+
+    rows: pl.DataFrame
+    measure_from_us: int
+    measure_to_us: int
+    description: str
+
+
+def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: float = 3.0, checkpoint_s: int = 60,
+             seed: int = 13) -> LabInput:
+    """A stream as the issue measured it, as the writer's ledger would record it.
+
+    Event times at `rate` per second; lateness lognormal around 20 s plus a 1.5 % tail uniform up to
+    3 h; one checkpoint per `checkpoint_s` of arrival (its clock: the end of that interval), records
+    without a source arrival time (the commit clock is their arrival), an empty interval commits a
+    heartbeat. `history_hours` of the same steady stream come first (the table's history: what
+    late-budget learns from), then `hours` measured hours, then 4 hours in which late records of the
+    measured hours still arrive. Scenarios: `outage` -- a shard with a quarter of the events delivers
+    nothing for 90 minutes from the 5th measured hour on, then its backlog within 5 minutes; `idle` --
+    no events for 4 hours from the 6th measured hour on (the source sends heartbeats); `bad-clocks` --
+    0.05 % of the events carry event times 2 days ahead.
+    """
+    if scenario not in SCENARIOS:
+        raise InvalidInput(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
+    rng = np.random.default_rng(seed)
+    measure_from = SIM_START_US + history_hours * US_PER_HOUR
+    measure_to = measure_from + hours * US_PER_HOUR
+    end = measure_to + 4 * US_PER_HOUR
+    count = int((measure_to - SIM_START_US) / US_PER_SECOND * rate)
+    event = SIM_START_US + np.sort(rng.integers(0, measure_to - SIM_START_US, count))
+    if scenario == "idle":
+        night = measure_from + 6 * US_PER_HOUR
+        event = event[(event < night) | (event >= night + 4 * US_PER_HOUR)]
+    lateness_s = rng.lognormal(math.log(20.0), 0.8, event.size)
+    tail = rng.random(event.size) < 0.015
+    lateness_s[tail] = rng.uniform(0, 3 * 3600, int(tail.sum()))
+    arrival = event + (lateness_s * US_PER_SECOND).astype(np.int64)
+    if scenario == "outage":
+        down_from = measure_from + 5 * US_PER_HOUR
+        down_to = down_from + 90 * MINUTE_US
+        held = (rng.random(event.size) < 0.25) & (arrival >= down_from) & (arrival < down_to)
+        arrival[held] = down_to + rng.integers(0, 5 * MINUTE_US, int(held.sum()))
+    if scenario == "bad-clocks":
+        ahead = rng.random(event.size) < 0.0005
+        event = event + np.where(ahead, 2 * 24 * US_PER_HOUR, 0)
+    keep = arrival < end
+    event, arrival = event[keep], arrival[keep]
+    order = np.argsort(arrival, kind="stable")
+    event, arrival = event[order], arrival[order]
+
+    step = checkpoint_s * US_PER_SECOND
+    cell = (arrival - SIM_START_US) // step
+    bounds = np.searchsorted(cell, np.arange(0, (end - SIM_START_US) // step + 1))
+    tables = []
+    for i in range(bounds.size - 1):
+        clock = SIM_START_US + (i + 1) * step
+        start, stop = int(bounds[i]), int(bounds[i + 1])
+        checkpoint = Checkpoint("lab", "lab", i + 1, i + 1, i + 1, clock, None, {}, None if stop > start else clock)
+        tables.append(checkpoint_rows(checkpoint, event[start:stop]))
+    rows = pl.from_arrow(pa.concat_tables(tables))
+    assert isinstance(rows, pl.DataFrame)
+    return LabInput(rows.select(LAB_COLUMNS), measure_from, measure_to, f"simulated {scenario}: {hours} h measured after "
+                    f"{history_hours} h of history, {rate:g} events/s, {checkpoint_s} s checkpoints, seed {seed}")
+
+
+def recorded(rows: pl.DataFrame, table: str) -> LabInput:
+    """A table's recorded ledger. Measured: its hours with records, up to the last one that ended 6 h
+    before its newest checkpoint (a younger hour's late records may still come), or all of them
+    when none is that old."""
+    data = rows.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0))
+    if data.is_empty():
+        raise InvalidInput(f"cdc.{table} has no checkpoints with records in its ledger yet: try --scenario")
+    hours = data["hour"].dt.epoch("us")
+    last_commit = int(rows["commit_time"].dt.epoch("us").max())
+    plausible = hours.filter(hours <= last_commit)
+    first, last = int(plausible.min()), int(plausible.max())
+    settled = floor_hour_us(last_commit - LEARN_MATURITY_US)
+    end = min(last + US_PER_HOUR, settled) if settled > first else last + US_PER_HOUR
+    return LabInput(rows.select(LAB_COLUMNS), first, end, f"cdc.{table}: recorded ledger, {rows['checkpoint_id'].n_unique()} "
+                    f"checkpoint(s), {(end - first) // US_PER_HOUR} hour(s) measured")
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A watermark sequence: after each checkpoint (commit order), the table's watermark (us; -inf as int64 min)."""
+
+    clock_us: np.ndarray
+    watermark_us: np.ndarray
+
+
+NO_WATERMARK = np.iinfo(np.int64).min
+
+
+def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: str, rows: pl.DataFrame, *,
+           idle_timeout_us: int = int(DEFAULT_IDLE_TIMEOUT.total_seconds() * US_PER_SECOND)) -> Replay:
+    """The watermarks the writer would have committed under `policy_text`, checkpoint by checkpoint.
+
+    `commits`/`streams`: the ledger's stats-bearing checkpoints in commit order and the stream of
+    each. Per stream the policy's window (the commit and its older ones), the candidate capped at
+    the commit clock's hour; the table's candidate is the minimum over the streams seen within the
+    idle timeout; the watermark advances, never back. late-budget learns its delay from the rows
+    committed before, refreshed as the writer refreshes it.
+    """
+    policy = WatermarkPolicy.parse(policy_text)
+    history: dict[str, list[CommitStats]] = {}
+    progress: dict[str, tuple[int | None, int]] = {}  # stream -> (progress, last commit clock)
+    learned: LearnedDelay | None = None
+    watermark = None
+    clocks = np.empty(len(commits), dtype=np.int64)
+    marks = np.empty(len(commits), dtype=np.int64)
+    for i, (commit, stream) in enumerate(zip(commits, streams)):
+        clock = commit.clock_us
+        delay = None
+        if policy.kind == LATE_BUDGET:
+            if learned is None or learned.stale(clock):
+                learned = learn_delay(rows, policy.budget, clock)
+            delay = learned.delay_us
+        older = history.setdefault(stream, [])
+        window = [commit]
+        if delay is None:
+            for previous in reversed(older):
+                if not policy.window.holds(len(window), previous.arrival_clock_us, commit.arrival_clock_us):
+                    break
+                window.append(previous)
+        older.append(commit)
+        candidate = policy.candidate_us(window, delay)
+        own = None if candidate is None else min(candidate, floor_hour_us(clock))
+        progress[stream] = (own, clock)
+        active = [p for p, seen in progress.values() if clock - seen <= idle_timeout_us]
+        table = None if any(p is None for p in active) else min(active)
+        watermark = advance(watermark, table)
+        clocks[i] = clock
+        marks[i] = NO_WATERMARK if watermark is None else watermark
+    return Replay(clocks, marks)
+
+
+def fixed_delay(commits: Sequence[CommitStats], delay_us: int) -> Replay:
+    """Flink's partition-time trigger: hour H is final once arrival passes H + 1 h + delay (arrival as
+    late-budget reads it: the source's latest arrival time, else the commit clock)."""
+    clocks = np.array([c.clock_us for c in commits], dtype=np.int64)
+    arrivals = np.array([c.arrival_us if c.arrival_us is not None else c.clock_us for c in commits], dtype=np.int64)
+    return Replay(clocks, np.maximum.accumulate((arrivals - delay_us) // US_PER_HOUR * US_PER_HOUR))
+
+
+def idle_time(clocks_us: np.ndarray, hours_us: np.ndarray, first_hour_us: int, idle_us: int) -> Replay:
+    """Paimon's idle-time-to-done: hour H is final once it ended, no record of it arrived for `idle_us`,
+    and every hour before it is final (a watermark). `hours_us`: per commit, the hours it wrote (lists)."""
+    last_seen: dict[int, int] = {}
+    watermark = first_hour_us
+    marks = np.empty(clocks_us.size, dtype=np.int64)
+    for i, (clock, hours) in enumerate(zip(clocks_us.tolist(), hours_us)):
+        for hour in hours:
+            last_seen[hour] = clock
+        while watermark + US_PER_HOUR <= clock and clock - last_seen.get(watermark, watermark + US_PER_HOUR) >= idle_us:
+            watermark += US_PER_HOUR
+        marks[i] = watermark
+    return Replay(clocks_us.copy(), marks)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    late_share: float  # of the measured hours' records
+    median_lag_s: float  # inf when most measured hours never finalized
+    oracle_lag_s: float
+
+    @property
+    def lag_ratio(self) -> float:
+        return self.median_lag_s / self.oracle_lag_s if self.oracle_lag_s > 0 else math.inf
+
+
+class Lab:
+    """One ledger, measured: replays policies and baselines over its checkpoints."""
+
+    def __init__(self, data: LabInput, *, tolerance_us: int = int(DEFAULT_FUTURE_TOLERANCE.total_seconds() * US_PER_SECOND)) -> None:
+        self.data = data
+        rows = data.rows
+        self.rows = rows
+        self.tolerance_us = tolerance_us
+        self._with_digests: list[CommitStats] | None = None
+        data_rows = rows.filter(pl.col("hour").is_not_null() & (pl.col("records") > 0) & (pl.col("stream") != REPLAY_STREAM))
+        self._data_rows = data_rows.with_columns(pl.col("hour").dt.epoch("us").alias("hour_us"),
+                                                 pl.col("commit_time").dt.epoch("us").alias("commit_us"))
+        self.hour_us = self._data_rows["hour_us"].to_numpy()
+        self.row_commit_us = self._data_rows["commit_us"].to_numpy()
+        self.records = self._data_rows["records"].to_numpy()
+        self.measured = (self.hour_us >= data.measure_from_us) & (self.hour_us < data.measure_to_us)
+        self.hours = np.arange(data.measure_from_us, data.measure_to_us, US_PER_HOUR, dtype=np.int64)
+        self.oracle_final = self._oracle_final()
+        self.oracle_lag_s = float(np.median(self.oracle_final - (self.hours + US_PER_HOUR))) / US_PER_SECOND
+
+    @cached_property
+    def commits(self) -> list[CommitStats]:
+        return ledger_commit_stats(self.rows, self.tolerance_us)
+
+    @cached_property
+    def streams(self) -> list[str]:
+        by_snapshot = dict(zip(self.rows["snapshot_id"].to_list(), self.rows["stream"].to_list()))
+        return [by_snapshot[c.snapshot_id] for c in self.commits]
+
+    @cached_property
+    def _commit_hours(self) -> tuple[np.ndarray, list[list[int]]]:
+        per_commit = self._data_rows.group_by("commit_us", maintain_order=True).agg(pl.col("hour_us").unique())
+        hours_at = dict(zip(per_commit["commit_us"].to_list(), per_commit["hour_us"].to_list()))
+        clocks = np.array([c.clock_us for c in self.commits], dtype=np.int64)
+        return clocks, [hours_at.get(c, []) for c in clocks.tolist()]
+
+    def recorded(self, name: str) -> Outcome:
+        """What the table's own watermark did: each checkpoint's recorded watermark (the ledger's `watermark`)."""
+        checkpoints = self.rows.unique(["stream", "checkpoint_id"], maintain_order=True).sort("commit_time")
+        clocks = checkpoints["commit_time"].dt.epoch("us").to_numpy()
+        marks = checkpoints["watermark"].dt.epoch("us").fill_null(NO_WATERMARK).to_numpy()
+        return self.measure(name, Replay(clocks, marks))
+
+    def _oracle_final(self) -> np.ndarray:
+        last = np.full(self.hours.size, NO_WATERMARK, dtype=np.int64)
+        first = self.data.measure_from_us
+        before = self.row_commit_us[(self.hour_us < first) & (self.hour_us >= first - 48 * US_PER_HOUR)]
+        carried = int(before.max()) if before.size else NO_WATERMARK
+        index = (self.hour_us[self.measured] - first) // US_PER_HOUR
+        np.maximum.at(last, index, self.row_commit_us[self.measured])
+        last = np.maximum(last, self.hours + US_PER_HOUR)
+        last[0] = max(last[0], carried)
+        return np.maximum.accumulate(last)
+
+    def measure(self, name: str, run: Replay) -> Outcome:
+        marks = np.maximum.accumulate(run.watermark_us)
+        # the watermark in force when each row was committed: after the last earlier checkpoint
+        before = np.searchsorted(run.clock_us, self.row_commit_us, side="left") - 1
+        in_force = np.where(before >= 0, marks[np.maximum(before, 0)], NO_WATERMARK)
+        late = self.measured & (self.hour_us + US_PER_HOUR <= in_force)
+        total = int(self.records[self.measured].sum())
+        share = float(self.records[late].sum()) / total if total else 0.0
+        at = np.searchsorted(marks, self.hours + US_PER_HOUR, side="left")
+        final = np.where(at < marks.size, run.clock_us[np.minimum(at, marks.size - 1)], np.iinfo(np.int64).max)
+        lags = np.where(at < marks.size, (final - (self.hours + US_PER_HOUR)) / US_PER_SECOND, math.inf)
+        return Outcome(name, share, float(np.median(lags)), self.oracle_lag_s)
+
+    def commits_for(self, text: str) -> list[CommitStats]:
+        """The checkpoints as the policy reads them (with event-time digests for a percentile)."""
+        if not WatermarkPolicy.parse(text).needs_digest:
+            return self.commits
+        if self._with_digests is None:
+            self._with_digests = ledger_commit_stats(self.rows, self.tolerance_us, with_digest=True)
+        return self._with_digests
+
+    def policy(self, text: str) -> Outcome:
+        return self.measure(text, replay(self.commits_for(text), self.streams, text, self.rows))
+
+    def fixed_delay(self, delay_us: int) -> Outcome:
+        return self.measure(f"fixed delay {delay_us / US_PER_SECOND / 60:g} min", fixed_delay(self.commits, delay_us))
+
+    def idle_time(self, idle_us: int) -> Outcome:
+        first = min(int(self.hour_us.min()), self.data.measure_from_us)
+        clocks, hours = self._commit_hours
+        run = idle_time(clocks, hours, first, idle_us)
+        return self.measure(f"idle time {idle_us / US_PER_SECOND / 60:g} min", run)
+
+    def tuned(self, baseline: str, late_share: float) -> Outcome:
+        """The baseline's smallest parameter (whole minutes) whose late share is at most `late_share`."""
+        run = self.fixed_delay if baseline == "fixed" else self.idle_time
+        low, high = 0, 24 * 60
+        if run(high * MINUTE_US).late_share > late_share:
+            return run(high * MINUTE_US)
+        while low < high:
+            middle = (low + high) // 2
+            if run(middle * MINUTE_US).late_share <= late_share:
+                high = middle
+            else:
+                low = middle + 1
+        return run(low * MINUTE_US)
+
+
+def measured_policy(catalog: Catalog, table: str) -> Outcome | None:
+    """The table's current policy as its own watermark did, over its recorded ledger (None: nothing to measure yet)."""
+    rows = read_ledger(catalog, f"cdc.{table}", columns=LAB_COLUMNS)
+    try:
+        data = recorded(rows, table)
+    except InvalidInput:
+        return None
+    policy = catalog.load_table(f"cdc.{table}").properties.get(K.PROP_WATERMARK_POLICY, "-")
+    return Lab(data).recorded(policy)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class LabRow:
+    outcome: Outcome
+    fixed: Outcome | None  # the baselines tuned to this policy's late share
+    idle: Outcome | None
+
+
+@dataclass(frozen=True)
+class LabReport:
+    description: str
+    budget: float
+    rows: list[LabRow]
+    baselines: list[Outcome]  # tuned to the budget
+    recommended: str
+
+    def table(self) -> str:
+        lines = [
+            f"{self.description}; oracle median lag {self.rows[0].outcome.oracle_lag_s / 3600:.2f} h",
+            "",
+            "| policy | late after finalization | median lag | vs oracle | vs fixed delay at the same late share | "
+            "vs idle time at the same late share |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in self.rows:
+            o = row.outcome
+            mark = " (recommended)" if o.name == self.recommended else ""
+            lines.append(f"| `{o.name}`{mark} | {o.late_share:.3%} | {_hours(o.median_lag_s)} | {_ratio(o.lag_ratio)} | "
+                         f"{_ratio(o.median_lag_s, row.fixed.median_lag_s)} | {_ratio(o.median_lag_s, row.idle.median_lag_s)} |")
+        for o in self.baselines:
+            lines.append(f"| {o.name} (tuned to {self.budget:.2%} late) | {o.late_share:.3%} | {_hours(o.median_lag_s)} | "
+                         f"{_ratio(o.lag_ratio)} | | |")
+        return "\n".join(lines)
+
+
+def _hours(seconds: float) -> str:
+    return "never" if math.isinf(seconds) else f"{seconds / 3600:.2f} h"
+
+
+def _ratio(value: float, of: float = 1.0) -> str:
+    if not (math.isfinite(value) and math.isfinite(of)) or of <= 0:
+        return "-"
+    return f"{value / of:.2f}x"
+
+
+def run_lab(data: LabInput, policies: Sequence[str], budget: float) -> tuple[LabReport, Lab]:
+    for text in policies:
+        WatermarkPolicy.parse(text)  # a bad one is refused before any work
+    lab = Lab(data)
+    rows = []
+    for text in policies:
+        outcome = lab.policy(text)
+        rows.append(LabRow(outcome, lab.tuned("fixed", outcome.late_share), lab.tuned("idle", outcome.late_share)))
+    within = [r.outcome for r in rows if r.outcome.late_share <= budget]
+    best = min(within, key=lambda o: o.median_lag_s) if within else min((r.outcome for r in rows), key=lambda o: o.late_share)
+    return LabReport(data.description, budget, rows, [lab.tuned("fixed", budget), lab.tuned("idle", budget)], best.name), lab
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def write_plot(report: LabReport, lab: Lab, path: Path) -> tuple[Path, Path]:
+    """Lag (x oracle) vs late share: each policy a point, each baseline the curve of its parameter.
+
+    matplotlib renders the PNG and the SVG embedded in the HTML page (with the table), so the
+    page needs no script and no network.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5), dpi=110)
+    for name, run, grid in (("fixed delay", lab.fixed_delay, range(0, 6 * 60 + 1, 10)), ("idle time", lab.idle_time, range(0, 121, 4))):
+        points = [run(m * MINUTE_US) for m in grid]
+        axes.plot([max(p.late_share, 1e-6) * 100 for p in points], [p.lag_ratio for p in points], marker=".", label=f"{name} (swept)")
+    for row in report.rows:
+        o = row.outcome
+        axes.scatter([max(o.late_share, 1e-6) * 100], [o.lag_ratio], zorder=3)
+        axes.annotate(o.name, (max(o.late_share, 1e-6) * 100, o.lag_ratio), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    axes.axvline(report.budget * 100, color="grey", linestyle="--", linewidth=1, label=f"budget {report.budget:.2%}")
+    axes.set_xscale("log")
+    axes.set_xlabel("records late after finalization (%)")
+    axes.set_ylabel("median finalization lag / oracle's")
+    axes.set_title(report.description, fontsize=8)
+    axes.legend(fontsize=8)
+    axes.grid(True, alpha=0.3)
+    png = path.with_suffix(".png")
+    page = path.with_suffix(".html")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, bbox_inches="tight")
+    svg = io.StringIO()
+    figure.savefig(svg, format="svg", bbox_inches="tight")
+    plt.close(figure)
+    body = svg.getvalue()
+    body = body[body.index("<svg"):]
+    page.write_text(f"<!doctype html><meta charset='utf-8'><title>partfin policy lab</title>\n{body}\n"
+                    f"<pre>{html.escape(report.table())}</pre>\n")
+    return png, page
