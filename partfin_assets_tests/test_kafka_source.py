@@ -153,7 +153,10 @@ def test_kill_minus_nine_at_twenty_moments_loses_and_duplicates_nothing(tmp_path
     observe()
     assert kills == {"after-files": 7, "after-commit": 7, "timed": 6}
     print(f"{runs} runs for 20 kills, then one to the end")
-    assert ["0", "1"] in partitions_recorded and partitions_recorded[-1] == ["0", "1", "2"]
+    # partition 2 joined later: checkpoints recorded offsets without it first (which of 0 and 1 a run reached
+    # first depends on the broker's fetch order), and every partition in the end
+    assert any(recorded and "2" not in recorded for recorded in partitions_recorded)
+    assert partitions_recorded[-1] == ["0", "1", "2"]
     written = events(cdc_rows(home))
     expected = expected_events(messages, delivered)
     assert sum(expected.values()) > 1000

@@ -146,6 +146,21 @@ def partition_key_of(metadata: TableMetadata, data_file: DataFile) -> tuple[int,
     return spec_id_of(metadata, data_file), tuple(data_file.partition)
 
 
+def conform_rows(table: Table, rows: pa.Table) -> pa.Table:
+    """`rows` in the table's current schema: an optional column the rows lack (one added to the table
+    after the writer's code was written, e.g. by schema evolution) is nulls; a missing required one
+    is a ValueError naming it, and so is a column the table does not have (never dropped)."""
+    schema = table.schema().as_arrow()
+    missing = [f for f in schema if f.name not in rows.column_names]
+    required = [f.name for f in missing if not f.nullable]
+    unknown = [c for c in rows.column_names if c not in schema.names]
+    if required or unknown:
+        raise ValueError(f"rows for {'.'.join(table.name())}: required column(s) missing {required}, unknown column(s) {unknown}")
+    for column in missing:
+        rows = rows.append_column(column, pa.nulls(rows.num_rows, column.type))
+    return rows.select(schema.names).cast(schema)
+
+
 def write_data_files(table: Table, rows: pa.Table, *, target_file_size_bytes: int | None = None) -> Iterator[DataFile]:
     """Write rows as Parquet data files of `table` (partitioned by its spec), yielding each file as it is written.
 

@@ -25,6 +25,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
 from partfin_assets.iceberg.files import (
     WHOLE_TABLE,
+    conform_rows,
     delete_files,
     live_files,
     partition_path,
@@ -87,7 +88,7 @@ class StagedFiles:
         if rows.num_rows == 0:
             return []
         files: list[DataFile] = []
-        for data_file in write_data_files(self.table, rows.cast(self.table.schema().as_arrow()), target_file_size_bytes=target_file_size_bytes):
+        for data_file in write_data_files(self.table, conform_rows(self.table, rows), target_file_size_bytes=target_file_size_bytes):
             files.append(data_file)
             self.written.append(data_file.file_path)  # registered at once: a failure later still cleans it up
         return files
