@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition
+from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition, sensor
 
 from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.model.settings import Settings
@@ -109,3 +109,9 @@ TABLES: list[PartfinTable] = [
         source="synthetic:rate=2,hours=24,key_space=1000000",
     ),
 ]
+
+
+def table_sensor(table: PartfinTable, kind: str, job, declared_interval: int, description: str):
+    """The `@sensor` of one kind for one table: `<kind>_<table>_sensor`, its interval (overridable) and default status."""
+    return sensor(name=f"{kind}_{table.name}_sensor", job=job, minimum_interval_seconds=sensor_interval(kind, declared_interval),
+                  default_status=sensor_default_status(kind), description=description)

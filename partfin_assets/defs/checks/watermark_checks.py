@@ -27,12 +27,11 @@ from dagster import (
     asset_check,
     define_asset_job,
     in_process_executor,
-    sensor,
 )
 from pyiceberg.catalog import Catalog
 
 from partfin_assets.defs.resources import IcebergCatalogResource
-from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization import table_checks as tc
 from partfin_assets.finalization.hours import hour_key
 from partfin_assets.iceberg.catalog import load_table_if_exists
@@ -146,14 +145,9 @@ def build_checks(table: PartfinTable):
 
 
 def build_checks_sensor(table: PartfinTable, checks_job):
-    @sensor(
-        name=f"checks_{table.name}_sensor",
-        job=checks_job,
-        minimum_interval_seconds=sensor_interval("checks", table.checks_interval_seconds),
-        default_status=sensor_default_status("checks"),
-        description=f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
-        f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run).",
-    )
+    @table_sensor(table, "checks", checks_job, table.checks_interval_seconds, description=(
+        f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
+        f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run)."))
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         state = []
         for identifier in (f"cdc.{table.name}", f"base.{table.name}"):

@@ -31,11 +31,10 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 
 from partfin_assets.defs.resources import IcebergCatalogResource
-from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
 from partfin_assets.finalization.late_data import LateHour, late_data
 from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
@@ -183,17 +182,9 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
 
 
 def build_finalization_sensor(table: PartfinTable, downstream_job):
-    @sensor(
-        name=f"finalize_{table.name}_sensor",
-        job=downstream_job,
-        minimum_interval_seconds=sensor_interval("finalize", table.finalization_interval_seconds),
-        default_status=sensor_default_status("finalize"),
-        description=(
-            f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
-            f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes "
-            f"{table.finalized_key.to_user_string()}."
-        ),
-    )
+    @table_sensor(table, "finalize", downstream_job, table.finalization_interval_seconds, description=(
+        f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
+        f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes {table.finalized_key.to_user_string()}."))
     def finalization_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         return evaluate_finalization(context, table, catalog)
 

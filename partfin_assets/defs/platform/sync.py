@@ -32,14 +32,13 @@ from dagster import (
     in_process_executor,
     job,
     op,
-    sensor,
 )
 
 from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.platform.replay import build_cdc_asset
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.retry import retry_on_conflict
-from partfin_assets.defs.tables import PartfinTable, sensor_default_status, sensor_interval
+from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
 from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_by_hour_of
@@ -260,13 +259,8 @@ def build_sync_job(table: PartfinTable):
 
 
 def build_sync_sensor(table: PartfinTable, sync_job):
-    @sensor(
-        name=f"sync_{table.name}_sensor",
-        job=sync_job,
-        minimum_interval_seconds=sensor_interval("sync", table.sync_interval_seconds),
-        default_status=sensor_default_status("sync"),
-        description=f"Starts a sync run for {table.name} every {table.sync_interval_seconds}s unless one is queued or running.",
-    )
+    @table_sensor(table, "sync", sync_job, table.sync_interval_seconds,
+                  description=f"Starts a sync run for {table.name} every {table.sync_interval_seconds}s unless one is queued or running.")
     def sync_sensor(context: SensorEvaluationContext):
         in_flight = context.instance.get_runs(filters=RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT), limit=1)
         if in_flight:
