@@ -115,7 +115,8 @@ def phase_upsert(home: Path, args) -> dict:
     started, cpu = time.perf_counter(), time.process_time()
     result = run_upsert(catalog, args.table)
     # CPU seconds of the upsert (all threads): less at the mercy of other work on a shared machine than wall time
-    return {"seconds": time.perf_counter() - started, "cpu_s": round(time.process_time() - cpu, 3), "files_scanned": result.files_scanned, "added": result.files_added,
+    return {"seconds": time.perf_counter() - started, "cpu_s": round(time.process_time() - cpu, 3), "files_scanned": result.files_scanned,
+            "row_groups_hit": result.row_groups_hit, "row_groups_settled": result.row_groups_settled, "added": result.files_added,
             "removed": result.files_removed, "updated": result.updated, "inserted": result.inserted}
 
 
@@ -240,7 +241,9 @@ def main() -> None:
                 cpu[table] = result.get("cpu_s")
                 (large_rss if table == "large" else small_rss).append(result.get("peak_rss_mb") or 0)
                 print(f"  round {r + 1} {table}: {result['seconds']:.2f} s (CPU {result.get('cpu_s')} s), peak RSS {result.get('peak_rss_mb')} MB, "
-                      f"key columns of {result['files_scanned']} file(s) read, +{result['added']} -{result['removed']} files")
+                      f"key columns of {result['files_scanned']} file(s) read, ordering columns of "
+                      f"{result['row_groups_hit'] - result['row_groups_settled']} of {result['row_groups_hit']} hit row group(s), "
+                      f"+{result['added']} -{result['removed']} files")
             small_s.append(seconds["small"])
             large_s.append(seconds["large"])
             ratios.append(seconds["large"] / seconds["small"])

@@ -264,3 +264,33 @@ def test_old_versions_are_found_across_row_groups_with_and_without_hits(tmp_path
     assert 0 < constant_deleted < len(groups), "files with and without tombstones"
     assert h.live() == reference(changes)
     assert plain_pyiceberg_rows(tmp_path) == all_rows(h)
+
+
+def test_row_groups_whose_statistics_settle_the_changes_are_not_read_for_ordering(tmp_path: Path):
+    """Newer changes (above every row's order time and position) are decided from the row groups'
+    statistics; a change behind its base row in their log and a re-delivery make their row groups
+    read in full. Every decision matches the reference model."""
+    h = Harness(tmp_path)
+    ensure_base_table(h.catalog, SPEC, buckets=2)
+    with h.base().transaction() as tx:
+        tx.set_properties({"write.parquet.row-group-limit": "16"})
+    changes: list = [(i, "c", 0, i, float(i)) for i in range(1, 201)]
+    h.write(changes)
+    h.upsert()
+
+    newer = [(i, "u", 90, 1000 + i, float(i) + 0.5) for i in (3, 50, 120, 199)]
+    h.write(newer)
+    changes += newer
+    result = h.upsert()
+    assert result.row_groups_hit > 0 and result.row_groups_settled == result.row_groups_hit, result.describe()
+    assert h.live() == reference(changes)
+
+    # late (behind the row it meets in their log), a re-delivery (same position), and newer ones beside them
+    late = [(3, "u", 30, 500, -1.0), (50, "u", 90, 1050, -2.0), (7, "u", 120, 2001, 7.5), (180, "u", 120, 2002, 180.5)]
+    h.write(late)
+    changes += late
+    result = h.upsert()
+    assert result.stale == 2, result.describe()
+    assert 0 < result.row_groups_settled < result.row_groups_hit, result.describe()
+    assert h.live() == reference(changes)
+    assert f"ordering columns of {result.row_groups_hit - result.row_groups_settled} of {result.row_groups_hit}" in result.describe()

@@ -34,7 +34,7 @@ from partfin_assets.iceberg.position_deletes import positions_by_file, read_posi
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
 from partfin_assets.jobs.job import StagedFiles
 from partfin_assets.jobs.upsert.decode import ORDER_KEY, newer_than_base
-from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, old_versions
+from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, change_floors, old_versions
 from partfin_assets.jobs.upsert.plan import GroupFiles, PartitionFiles, UpsertPlan
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR
@@ -58,6 +58,8 @@ class GroupMerge:
     stale: int = 0
     hours_us: list[int] = field(default_factory=list)  # hours whose visible rows changed
     files_scanned: int = 0
+    row_groups_hit: int = 0  # row groups of those files holding a changed key
+    row_groups_settled: int = 0  # of those, settled by their statistics (ordering columns not read)
     rows_folded: int = 0
 
     @property
@@ -95,11 +97,13 @@ def merge_group(
     result = GroupMerge(files.group, targets=list(files.paths))
     data = [f for p in files.partitions for f in p.data]
     deleted = positions_by_file(read_positions(table.io, [d for p in files.partitions for d in p.deletes]))
-    keys = changes.select(pk).unique()
-    candidates = candidate_files(table, data, keys, _bucket_column(table, pk))
+    floors = change_floors(changes, pk)
+    candidates = candidate_files(table, data, floors.select(pk), _bucket_column(table, pk))
     result.files_scanned = len(candidates)
-    old = old_versions(table, candidates, deleted, keys, [*pk, EVENT_TIME, *ORDER_KEY, DELETED])
-    old = old.with_columns(pl.col(ORDER_TIME).fill_null(pl.col(EVENT_TIME)))  # a row written before partfin kept it
+    found = old_versions(table, candidates, deleted, floors, [*pk, EVENT_TIME, *ORDER_KEY, DELETED])
+    result.row_groups_hit, result.row_groups_settled = found.row_groups_hit, found.row_groups_settled
+    # null: a row written before partfin kept it, or one whose row group's statistics settled it (locate.py)
+    old = found.rows.with_columns(pl.col(ORDER_TIME).fill_null(pl.col(EVENT_TIME)))
     if on_read is not None:
         on_read()
 

@@ -49,6 +49,8 @@ class UpsertResult:
     files_removed: int = 0
     files_added: int = 0
     files_scanned: int = 0  # base data files whose key columns were read
+    row_groups_hit: int = 0  # row groups of those files holding a changed key
+    row_groups_settled: int = 0  # of those, settled by their statistics: ordering columns not read (locate.py)
     previous_cdc_snapshot_id: int | None = None
     attempts: int = 1  # commit attempts (a commit that landed meanwhile in other buckets costs one)
     quarantined: int = 0  # changes that do not fit the declaration: in base.<table>__rejected, not merged
@@ -84,7 +86,8 @@ class UpsertResult:
             f"  rows: {self.inserted} inserted, {self.updated} updated, {self.deleted} deleted",
             f"  base snapshot: {self.base_snapshot_id} "
             f"({self.buckets_rewritten} bucket(s) written: {self.files_added} file(s) in, {self.files_removed} out; "
-            f"key columns of {self.files_scanned} file(s) read)",
+            f"key columns of {self.files_scanned} file(s) read; ordering columns of "
+            f"{self.row_groups_hit - self.row_groups_settled} of {self.row_groups_hit} row group(s) holding a changed key)",
             f"  base watermark: {self.watermark or '-'}",
             f"  hours touched: {hours}",
         ]
@@ -157,6 +160,8 @@ def result_of(
         files_removed=sum(len(m.remove) for m in merges),
         files_added=sum(len(m.add) for m in merges),
         files_scanned=sum(m.files_scanned for m in merges),
+        row_groups_hit=sum(m.row_groups_hit for m in merges),
+        row_groups_settled=sum(m.row_groups_settled for m in merges),
         previous_cdc_snapshot_id=plan.previous_source_id,
         attempts=attempts,
     )
