@@ -34,7 +34,7 @@ def workspace(tmp_path_factory):
             yield process_context.create_request_context()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: the sync run is an op job and the finalization sensor targets only the downstream job")
+
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
 def test_each_asset_lists_the_sensor_that_drives_it(workspace, table):
     (location,) = workspace.code_location_names
