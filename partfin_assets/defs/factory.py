@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dagster import Definitions
 
+from partfin_assets.defs.checks.late_data_ack import build_acknowledge_job
 from partfin_assets.defs.checks.watermark_checks import build_checks, build_checks_sensor
 from partfin_assets.defs.downstream.activity import build_activity_asset
 from partfin_assets.defs.finalization.sensor import build_finalization_sensor, finalized_spec
@@ -25,7 +26,7 @@ def table_definitions(table: PartfinTable) -> Definitions:
         asset_checks=checks,
         jobs=[
             sync_job, build_upsert_job(table), activity_job, checks_job, compaction_job, build_compaction_fanout_job(table),
-            build_privacy_job(table), maintenance_job,
+            build_privacy_job(table), maintenance_job, build_acknowledge_job(table),
         ],
         schedules=[compaction_schedule, maintenance_schedule],
         sensors=[

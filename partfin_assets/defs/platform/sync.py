@@ -132,7 +132,7 @@ def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int
     result = retry_on_conflict(  # a new job each time: re-planned from a fresh snapshot
         lambda: run_upsert(iceberg, name),
         on_conflict=lambda exc, attempt: context.log.warning(f"upsert into base.{name}: conflict on attempt {attempt}, "
-                                                             f"retrying from a fresh snapshot: {first_line(exc)}"))
+                                                             f"retrying from a fresh snapshot: {first_line(str(exc))}"))
     context.log.info(result.describe())
     truths: dict[int, HourTruth] = {}
     if result.base_snapshot_id is not None:
