@@ -20,7 +20,7 @@ replay reads only what the writer committed, so the writer never appends a recor
 from dagster import AssetExecutionContext, Failure
 
 from partfin_assets.defs.force import ForceConfig, refused
-from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.resources import CdcSourceResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key
