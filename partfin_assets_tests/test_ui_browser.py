@@ -260,7 +260,7 @@ def test_demo_in_chromium(tmp_path):
                 page.screenshot(path=str(shots / f"{number}-{path.split('/')[0]}-automation.png"))
                 assert "No automations found" not in page.inner_text("body"), path
             browser.close()
-        for name in sorted(p.name for p in shots.iterdir()):
+        for name in sorted((p.name for p in shots.iterdir()), key=lambda n: int(n.split("-")[0])):
             print(f"{shots / name}: {SCREENSHOTS[name]}")
     finally:
         proc.stop()
