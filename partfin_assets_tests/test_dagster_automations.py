@@ -34,7 +34,6 @@ def workspace(tmp_path_factory):
             yield process_context.create_request_context()
 
 
-
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
 def test_each_asset_lists_the_sensor_that_drives_it(workspace, table):
     (location,) = workspace.code_location_names
