@@ -1,9 +1,10 @@
-"""The `partfin` command: ingest, upsert, status, streams, report, policy-lab."""
+"""The `partfin` command: ingest, upsert, status, streams, late-data, report, policy-lab."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import json
 import logging
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from partfin_assets.finalization.hours import parse_hour
+from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog
@@ -72,6 +75,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle.add_argument("--table", required=True)
     idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
 
+    late_data = commands.add_parser("late-data", help="late records of cdc.<table>: acknowledge those that need no re-run")
+    late_actions = late_data.add_subparsers(dest="action", required=True)
+    ack = late_actions.add_parser("ack", help="acknowledge the late records hours hold now (the late_data WARN clears for them)")
+    ack.add_argument("--table", required=True)
+    ack_hours = ack.add_mutually_exclusive_group(required=True)
+    ack_hours.add_argument("--hour", action="append", type=parse_hour, dest="hours",
+                           help="an hour holding late records, 2026-01-01-05:00 or 2026-01-01T05:00:00Z (repeatable)")
+    ack_hours.add_argument("--all", action="store_true", help="every hour holding late records")
+    ack.add_argument("--reason", required=True, help="why the late records need no re-run (recorded with who and when)")
+    ack.add_argument("--by", default=getpass.getuser(), help="who acknowledges (default: the login name)")
+
     report = commands.add_parser("report", help="a picture of finalization: an HTML page and a PNG for cdc.<table>")
     report.add_argument("--table", required=True)
     report.add_argument("--out", help="folder to write <table>.html and <table>.png into (default $PARTFIN_HOME/reports)")
@@ -93,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "report": _report,
+        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
                 "policy-lab": _policy_lab}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
@@ -224,9 +238,24 @@ def _status(args: argparse.Namespace) -> int:
             f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
             f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
         )
+    for s in statuses:
+        for ack in s.acknowledged_late_hours or []:
+            print(f"{s.name}: hour {ack['hour']}: {ack['late_records']} late record(s) acknowledged by {ack['by']} at {ack['at']}: "
+                  f"{ack['reason']}")
+        if s.unacknowledged_late_hours:
+            print(f"{s.name}: late records not acknowledged in hour(s) {', '.join(s.unacknowledged_late_hours)} "
+                  "(the late_data check names those not re-run since; `partfin late-data ack` acknowledges)")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
+    return 0
+
+
+def _late_data(args: argparse.Namespace) -> int:
+    acks = acknowledge_late_hours(load_partfin_catalog(), args.table, None if args.all else args.hours, args.reason, args.by)
+    for ack in acks:
+        print(f"cdc.{args.table}: hour {ack.as_dict()['hour']}: {ack.late_records} late record(s) acknowledged by {ack.by} "
+              f"({ack.reason}); late records arriving later raise the WARN again")
     return 0
 
 

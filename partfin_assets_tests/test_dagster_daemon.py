@@ -32,7 +32,7 @@ from partfin_assets.testing import dagster_processes
 pytestmark = pytest.mark.timeout(420)
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
-JOB = "activity_orders_job"
+DOWNSTREAM = {"partfin/downstream": "orders"}  # the finalization sensor's runs: runs of the downstream asset
 FINALIZED = AssetKey(["finalized", "orders"])
 FAIL_ONCE_HOUR = "2026-01-01-01:00"
 IN_FLIGHT = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
@@ -55,7 +55,7 @@ def stream_until(home, end: datetime) -> int:
 
 
 def downstream_runs(instance):
-    return instance.get_runs(filters=RunsFilter(job_name=JOB))
+    return instance.get_runs(filters=RunsFilter(tags=DOWNSTREAM))
 
 
 def settled(instance, expected: list[str]):

@@ -77,7 +77,7 @@ def test_definitions_and_instance_limits():
         assert cdc.is_executable and cdc.is_materializable  # the UI's Materialize runs the replay
         assets_def = repo.assets_defs_by_key[table.cdc_key]
         assert assets_def.backfill_policy is None  # a backfill: one run per partition
-        assert assets_def.op.pool == f"partfin_replay_{name}"
+        assert assets_def.op.pool == f"partfin_cdc_{name}"  # a sync or a replay: one step writing cdc at a time
         base = repo.asset_graph.get(table.base_key)
         assert base.is_executable and base.is_materializable  # not an External Asset: Materialize runs the upsert now
         for job_name, tag in ((f"compact_{name}", "partfin/maintenance"), (f"maintain_{name}", "partfin/maintenance"),
@@ -303,7 +303,7 @@ def test_maintenance_expires_snapshots_and_removes_orphans(synced):
 def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
     """A backfill of cdc/orders over 3 hours, run by a real dagster-daemon with the repo's dagster.yaml:
     one run per partition, each a replay that leaves the hour as the source has it, never two at once
-    (pool partfin_replay_orders, limit 1)."""
+    (pool partfin_cdc_orders, limit 1)."""
     from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
     from dagster._core.utils import make_new_backfill_id
 
@@ -350,8 +350,8 @@ def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
     assert sorted(r.tags["dagster/partition"] for r in runs) == keys and all(r.status.value == "SUCCESS" for r in runs)
     spans = []  # the replay step of each run: never two at once
     for run in runs:
-        (start,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "cdc__orders"]
-        (end,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_SUCCESS) if e.step_key == "cdc__orders"]
+        (start,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "cdc_and_base_orders"]
+        (end,) = [e.timestamp for e in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_SUCCESS) if e.step_key == "cdc_and_base_orders"]
         spans.append((start, end))
     spans.sort()
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans

@@ -69,7 +69,7 @@ def test_a_source_clock_ahead_of_the_host_neither_finalizes_the_future_nor_stall
         daemon.stop()
     ticks = _sensor_ticks(instance, "finalize_orders_sensor")
     failed = [t for t in ticks if t.status == TickStatus.FAILURE]
-    requested = sorted({r.tags.get("dagster/partition") for r in instance.get_runs(filters=RunsFilter(job_name="activity_orders_job"))})
+    requested = sorted({r.tags.get("dagster/partition") for r in instance.get_runs(filters=RunsFilter(tags={"partfin/downstream": "orders"}))})
     print(f"finalization sensor: {len(failed)} of {len(ticks)} ticks failed "
           f"({failed[0].error.message.strip().splitlines()[0] if failed else '-'}); {len(requested)} hour(s) requested")
     instance.dispose()

@@ -49,7 +49,7 @@ def hour_rows(catalog, hour_us: int) -> list[tuple[str, int]]:
 
 
 def replay_in_dagster(defs, instance, partition_key: str, *, force: bool = False):
-    config = RunConfig(ops={"cdc__orders": {"config": {"force": True}}}) if force else None
+    config = RunConfig(ops={"cdc_and_base_orders": {"config": {"force": True}}}) if force else None
     return defs.resolve_implicit_global_asset_job_def().execute_in_process(
         instance=instance, partition_key=partition_key, asset_selection=[CDC], run_config=config, raise_on_error=False
     )

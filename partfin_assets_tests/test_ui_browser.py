@@ -4,7 +4,8 @@ The demo's source on a faster event clock (issue 14): within five minutes an hou
 late-data WARN stays over several sync runs and late data re-runs its downstream hour; then the
 pages show the hour's totals on a partition, check results on the latest materialization, base and
 finalized with their status, the re-run partition and the report page. Screenshots are saved under
-the directory printed at the start of the test (README: which screenshot shows what).
+the directory printed at the start of the test; the test prints which screenshot shows what. Each
+platform and downstream asset lists the sensor that drives it under Automation details.
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ from partfin_assets.testing import dagster_processes
 CDC, FINALIZED = AssetKey(["cdc", "orders"]), AssetKey(["finalized", "orders"])
 
 pytestmark = pytest.mark.timeout(420)
+
+SCREENSHOTS = {  # what each screenshot shows (printed by the test; the README lists them too)
+    "1-asset-graph.png": "the asset graph upstream of activity/orders_hourly: platform, finalization, activity groups",
+    "2-cdc-hour-totals.png": "cdc/orders, the hour that finalized live: the whole hour's totals as partition metadata",
+    "3-cdc-checks.png": "cdc/orders checks on the latest materialization (late_data in WARN)",
+    "4-late-data-warn-history.png": "the late_data check's execution history: the WARN across sync runs",
+    "5-base-latest-event.png": "base/orders: an executable asset with its latest materialization",
+    "6-finalized-partitions.png": "finalized/orders: the finalized hours as materialized partitions",
+    "7-late-data-rerun.png": "activity/orders_hourly: the downstream hour re-run for late data",
+    "8-cdc-links-report.png": "cdc/orders overview linking the finalization report",
+    "9-report.png": "the `partfin report` page",
+    "10-cdc-automation.png": "cdc/orders overview, Automation details: sensor sync_orders_sensor",
+    "11-base-automation.png": "base/orders overview, Automation details: sensor sync_orders_sensor",
+    "12-finalized-automation.png": "finalized/orders overview, Automation details: sensor finalize_orders_sensor",
+    "13-activity-automation.png": "activity/orders_hourly overview, Automation details: sensor finalize_orders_sensor",
+}
 
 
 def chromium_binary() -> str | None:
@@ -87,8 +104,8 @@ def sticky_late_warn(instance) -> str | None:
 
 def late_rerun(instance) -> str | None:
     """The partition of a successful downstream re-run that late data requested, if any."""
-    runs = instance.get_runs(filters=RunsFilter(job_name="activity_orders_job", statuses=[DagsterRunStatus.SUCCESS],
-                                                tags={AMENDMENT_TAG: "true"}), limit=1)
+    runs = instance.get_runs(filters=RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
+                                                tags={AMENDMENT_TAG: "true", "partfin/downstream": "orders"}), limit=1)
     return runs[0].tags.get("dagster/partition") if runs else None
 
 
@@ -230,8 +247,21 @@ def test_demo_in_chromium(tmp_path):
             assert str(report) in overview
             page_text = open_page(report.as_uri(), ["Watermark over wall time", "Finalization lag per hour"], "9-report.png")
             assert "watermark policy" in page_text and page.locator(".plotly-graph-div").count() == 1
+            # 10-13: each asset's overview lists, under Automation details, the sensor that drives it (a link to it)
+            for number, (path, sensor) in enumerate((("cdc/orders", "sync_orders_sensor"), ("base/orders", "sync_orders_sensor"),
+                                                     ("finalized/orders", "finalize_orders_sensor"),
+                                                     ("activity/orders_hourly", "finalize_orders_sensor")), start=10):
+                page.goto(f"{base_url}/assets/{path}", wait_until="domcontentloaded")
+                page.get_by_text("Automation details").first.wait_for(timeout=60_000)
+                listed = page.locator(f'a[href*="/sensors/{sensor}"]').first
+                listed.wait_for(timeout=60_000)
+                listed.scroll_into_view_if_needed()
+                page.wait_for_timeout(1000)
+                page.screenshot(path=str(shots / f"{number}-{path.split('/')[0]}-automation.png"))
+                assert "No automations found" not in page.inner_text("body"), path
             browser.close()
-        print(f"screenshots saved: {sorted(p.name for p in shots.iterdir())} in {shots}")
+        for name in sorted((p.name for p in shots.iterdir()), key=lambda n: int(n.split("-")[0])):
+            print(f"{shots / name}: {SCREENSHOTS[name]}")
     finally:
         proc.stop()
         instance.dispose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-from dagster import BetaWarning, Definitions
+from dagster import BetaWarning, Definitions, in_process_executor
 
 from partfin_assets.defs.factory import table_definitions
 from partfin_assets.defs.resources import resources_from_env
@@ -18,4 +18,7 @@ warnings.filterwarnings("ignore", message=r"Parameter `owners` of initializer `S
 
 
 def build_definitions(tables: Sequence[PartfinTable] = TABLES) -> Definitions:
-    return Definitions.merge(*(table_definitions(t) for t in tables), Definitions(resources=resources_from_env()))
+    # runs of assets outside a job (the finalization sensor's downstream hours, materializations by hand) are one
+    # small step each: in the run's own process, not one more process per step
+    return Definitions.merge(*(table_definitions(t) for t in tables),
+                             Definitions(resources=resources_from_env(), executor=in_process_executor))

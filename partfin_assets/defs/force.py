@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from dagster import AssetKey, Config, Failure
+from dagster import Config, Failure
 
 
 class ForceConfig(Config):
     force: bool = False  # do it anyway (the refusal says what that means)
 
 
-def refused(reason: str, key: AssetKey, failure: type[Failure] = Failure) -> Failure:
-    """The failure (never retried) for `reason`, naming the run config that forces the asset `key`."""
+def refused(reason: str, op_name: str, failure: type[Failure] = Failure) -> Failure:
+    """The failure (never retried) for `reason`, naming the run config that forces the asset op `op_name`."""
     return failure(
-        description=f"{reason}. To do it anyway, set run config ops.{key.to_python_identifier()}.config.force: true.",
+        description=f"{reason}. To do it anyway, set run config ops.{op_name}.config.force: true.",
         allow_retries=False,
     )
 
 
-def refuse_unless_forced(config: ForceConfig, reason: str | None, key: AssetKey, failure: type[Failure] = Failure) -> None:
-    """Raise `refused(reason, key)` when there is a reason and the run is not forced."""
+def refuse_unless_forced(config: ForceConfig, reason: str | None, op_name: str, failure: type[Failure] = Failure) -> None:
+    """Raise `refused(reason, op_name)` when there is a reason and the run is not forced."""
     if reason and not config.force:
-        raise refused(reason, key, failure)
+        raise refused(reason, op_name, failure)

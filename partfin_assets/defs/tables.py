@@ -61,6 +61,16 @@ class PartfinTable:
         return AssetKey(["activity", f"{self.name}_hourly"])
 
     @property
+    def platform_op_name(self) -> str:
+        """The one op (a multi-asset) that writes cdc/<table> and base/<table>: the sync, or a manual partition."""
+        return f"cdc_and_base_{self.name}"
+
+    @property
+    def downstream_tags(self) -> dict[str, str]:
+        """Run tags of every downstream run of the table (dagster.yaml limits `partfin/downstream` per table)."""
+        return {"partfin/table": self.name, "partfin/downstream": self.name}
+
+    @property
     def start_key(self) -> str:
         return Settings.from_env().partitions_start or self.partitions_start
 
@@ -111,7 +121,10 @@ TABLES: list[PartfinTable] = [
 ]
 
 
-def table_sensor(table: PartfinTable, kind: str, job, declared_interval: int, description: str):
-    """The `@sensor` of one kind for one table: `<kind>_<table>_sensor`, its interval (overridable) and default status."""
-    return sensor(name=f"{kind}_{table.name}_sensor", job=job, minimum_interval_seconds=sensor_interval(kind, declared_interval),
+def table_sensor(table: PartfinTable, kind: str, declared_interval: int, description: str, *, job=None, asset_selection=None):
+    """The `@sensor` of one kind for one table: `<kind>_<table>_sensor`, its interval (overridable) and default status.
+    It targets a `job`, or an `asset_selection` (the UI lists the sensor on those assets' pages; a job cannot hold an
+    asset that only a sensor records, such as finalized/<table>)."""
+    return sensor(name=f"{kind}_{table.name}_sensor", job=job, asset_selection=asset_selection,
+                  minimum_interval_seconds=sensor_interval(kind, declared_interval),
                   default_status=sensor_default_status(kind), description=description)

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
 HOUR_KEY_FORMAT = "%Y-%m-%d-%H:%M"  # Dagster's HourlyPartitionsDefinition key format
@@ -24,6 +25,17 @@ def hour_key(hour_us: int) -> str:
 
 def hour_from_key(key: str) -> int:
     return to_us(datetime.strptime(key, HOUR_KEY_FORMAT).replace(tzinfo=UTC))
+
+
+def parse_hour(text: str) -> int:
+    """An hour a user names: a partition key (2026-01-01-05:00) or an ISO-8601 UTC time on the hour (2026-01-01T05:00:00Z)."""
+    try:
+        return hour_from_key(text)
+    except ValueError:
+        hour = to_us(parse_iso(text))
+    if hour != floor_hour_us(hour):
+        raise InvalidInput(f"{text!r} is not on the hour; name an hour as 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
+    return hour
 
 
 def is_finalized(hour_us: int, watermark_us: int | None) -> bool:

@@ -1,7 +1,7 @@
 """Late data per hour, from the durable late-data ledger (iceberg/ledger.py), and watermark history.
 
 Every reader of late counts -- the late_data and late_data_after_run checks, `partfin status`,
-the Dagster metadata -- goes through `late_data`/`late_records_total` here, so they agree, and
+the Dagster metadata -- goes through `late_data` here, so they agree, and
 keep agreeing after the snapshots that carried the late records expired.
 """
 
@@ -73,11 +73,6 @@ def late_by_hour_of(ledger: pl.DataFrame) -> dict[int, LateHour]:
         hour: LateHour(hour, sum(c.records for c in commits), tuple(sorted(commits, key=lambda c: c.committed_at_us)))
         for hour, commits in sorted(found.items())
     }
-
-
-def late_records_total(catalog: Catalog, cdc_identifier: str) -> int:
-    """Every late record the table ever received (its ledger)."""
-    return int(read_ledger(catalog, cdc_identifier, columns=("late_records",))["late_records"].sum())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
 from partfin_assets.finalization.hours import finalized_through
-from partfin_assets.finalization.late_data import late_records_total
+from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
+from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import LEDGER_SUFFIX
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
@@ -33,6 +34,10 @@ class TableStatus:
     rejected: int = 0
     quarantined: int = 0
     streams: list[dict] | None = None  # cdc tables: the progress streams (stream_status)
+    # cdc tables: hours holding late records whose every late record is acknowledged (finalization/late_acks.py),
+    # each {"hour", "late_records", "by", "at", "reason"}, and the other hours holding late records
+    acknowledged_late_hours: list[dict] | None = None
+    unacknowledged_late_hours: list[str] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +54,9 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
             checkpoint_id = int(value)
             break
     source_snapshot = properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
+    is_cdc = identifier.startswith("cdc.")
+    late = late_data(table.catalog, identifier) if is_cdc else {}
+    acknowledged = acknowledged_hours(late, acks_of(properties))
     return TableStatus(
         name=identifier,
         layer=identifier.split(".")[0],
@@ -56,12 +64,14 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         policy=properties.get(K.PROP_WATERMARK_POLICY),
         checkpoint_id=checkpoint_id,
         finalized_through=iso_z(finalized_through(watermark_of(properties))) if watermark else None,
-        late_records=late_records_total(table.catalog, identifier) if identifier.startswith("cdc.") else 0,
+        late_records=sum(h.records for h in late.values()),
         snapshots=len(table.metadata.snapshots),
         source_snapshot_id=int(source_snapshot) if source_snapshot else None,
         rejected=total_records(rejected) if rejected is not None and identifier.startswith("cdc.") else 0,
         quarantined=total_records(rejected) if rejected is not None and identifier.startswith("base.") else 0,
-        streams=stream_status(table) if identifier.startswith("cdc.") else None,
+        streams=stream_status(table) if is_cdc else None,
+        acknowledged_late_hours=[a.as_dict() for _, a in sorted(acknowledged.items())] if is_cdc else None,
+        unacknowledged_late_hours=[iso_z(h) for h in sorted(late) if h not in acknowledged] if is_cdc else None,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 
 from partfin_assets.finalization.hours import hour_key, lag_seconds
+from partfin_assets.finalization.late_acks import LateAck, acknowledged_hours, acks_of, unacknowledged
 from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
@@ -91,12 +92,14 @@ def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
     )
 
 
-def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun]) -> dict[int, int]:
-    """hour -> late records its latest downstream run has not seen (every late record when it never ran)."""
+def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun], acks: Mapping[int, LateAck]) -> dict[int, int]:
+    """hour -> late records its latest downstream run has not seen (every late record when it never ran) and no
+    acknowledgement covers (finalization/late_acks.py)."""
     out = {}
     for hour, entry in late.items():
         run = runs.get(hour)
         missed = entry.commits if run is None else late_after_run(late, hour, run.sequence_number, run.ran_at_us)
+        missed = unacknowledged(entry, missed, acks)
         if missed:
             out[hour] = sum(c.records for c in missed)
     return out
@@ -105,7 +108,8 @@ def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamR
 def late_data_outcome(
     catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]
 ) -> CheckOutcome:
-    """WARN while an hour holds late records its downstream partition has not (re-)run with; the ledger is the evidence.
+    """WARN while an hour holds late records its downstream partition has not (re-)run with and nobody acknowledged;
+    the ledger is the evidence.
 
     `downstream_runs(hours)`: the latest downstream run of each hour. Totals (late_records,
     late_partitions) are the whole history's, as `partfin status` shows them.
@@ -114,18 +118,22 @@ def late_data_outcome(
     if not late:
         return CheckOutcome(True, "no late records", metadata={"late_records": 0, "late_partitions": 0})
     total = sum(h.records for h in late.values())
-    open_hours = open_late_hours(late, downstream_runs(sorted(late)))
+    acks = acks_of(catalog.load_table(f"cdc.{name}").properties)
+    open_hours = open_late_hours(late, downstream_runs(sorted(late)), acks)
+    acknowledged = acknowledged_hours(late, acks)
     newest = sorted(late.values(), key=lambda h: h.hour_us)[-MAX_LISTED:]
     metadata = {
         "late_records": total,
         "late_partitions": len(late),
         "open_late_records": sum(open_hours.values()),
         "partitions_to_rerun": [hour_key(h) for h in sorted(open_hours)][-MAX_LISTED:],
+        "acknowledged_partitions": {hour_key(h): a.as_dict() for h, a in sorted(acknowledged.items())[-MAX_LISTED:]},
         "by_partition": {hour_key(h.hour_us): h.records for h in newest},
         "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
     }
     if not open_hours:
-        return CheckOutcome(True, f"{total} late record(s) in {len(late)} hour partition(s), every one re-run since",
+        return CheckOutcome(True, f"{total} late record(s) in {len(late)} hour partition(s), every one re-run since or "
+                            f"acknowledged ({len(acknowledged)} acknowledged)",
                             metadata=metadata)
     return CheckOutcome(
         passed=False,
@@ -140,14 +148,15 @@ def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[
     """Late records that arrived after an hour's downstream partition ran (hours never run are not listed)."""
     late = late_data(catalog, f"cdc.{name}")
     runs = downstream_runs(sorted(late)) if late else {}
-    stale = {h: n for h, n in open_late_hours(late, runs).items() if h in runs}
+    acks = acks_of(catalog.load_table(f"cdc.{name}").properties) if late else {}
+    stale = {h: n for h, n in open_late_hours(late, runs, acks).items() if h in runs}
     if not stale:
         return CheckOutcome(True, "no late data after any partition ran")
     keys = [hour_key(h) for h in sorted(stale)][-MAX_LISTED:]
     details = {}
     for hour in sorted(stale)[-MAX_LISTED:]:
         run = runs[hour]
-        missed = late_after_run(late, hour, run.sequence_number, run.ran_at_us)
+        missed = unacknowledged(late[hour], late_after_run(late, hour, run.sequence_number, run.ran_at_us), acks)
         details[hour_key(hour)] = {"late_records": stale[hour], "commits": [c.snapshot_id for c in missed], "ran_at": iso_z(run.ran_at_us)}
     return CheckOutcome(
         passed=False,

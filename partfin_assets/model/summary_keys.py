@@ -95,6 +95,7 @@ PROP_STREAMS_IDLE_TIMEOUT = "partfin.streams.idle-timeout"  # e.g. 15m (default)
 
 
 # the late-data ledger <cdc table>__ledger (iceberg/ledger.py)
+PROP_LATE_ACK_PREFIX = "partfin.late-data.ack."  # + hour (ISO Z), on cdc.<table>: JSON {"through_sequence", "through_commit", "late_records", "by", "at", "reason"}
 PROP_LEDGER_PREFIX = "partfin.ledger."  # + writer id: the last checkpoint id the ledger holds for that writer
 LEDGER_CHECKPOINTS = "partfin.ledger.checkpoints"  # ledger commit summary: JSON {writer id: last checkpoint id recorded}
 

@@ -145,7 +145,7 @@ def build_checks(table: PartfinTable):
 
 
 def build_checks_sensor(table: PartfinTable, checks_job):
-    @table_sensor(table, "checks", checks_job, table.checks_interval_seconds, description=(
+    @table_sensor(table, "checks", table.checks_interval_seconds, job=checks_job, description=(
         f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
         f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run)."))
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):

@@ -65,12 +65,12 @@ def build_activity_asset(table: PartfinTable):
         if unavailable:
             refuse_unless_forced(config, f"hour {iso_z(hour)} reads the base snapshot its {point.origin} names, but {unavailable}; "
                                  f"forced, the run reads the current base.{name} (its rows of the hour may differ)",
-                                 table.activity_key, SnapshotUnusable)
+                                 table.activity_key.to_python_identifier(), SnapshotUnusable)
             point = ReadPoint(base.current_snapshot().snapshot_id, f"current snapshot (forced: {point.snapshot_id} unavailable)")
         position = base_position(iceberg, base, point.snapshot_id)
         watermark = position.watermark_us
         refusal = not_finalized_reason(hour, watermark, f"base.{name}")
-        refuse_unless_forced(config, refusal, table.activity_key, NotFinalized)
+        refuse_unless_forced(config, refusal, table.activity_key.to_python_identifier(), NotFinalized)
         if point.snapshot_id is not None and BASE_SNAPSHOT_TAG not in context.run.tags:
             # pinned: a retry of this run keeps its tags, so it reads this snapshot too
             context.instance.add_run_tags(context.run.run_id, read_tags(point.snapshot_id, amendment=point.amendment))
@@ -123,7 +123,8 @@ def build_activity_asset(table: PartfinTable):
         f"activity_{name}_job",
         selection=[table.activity_key],
         executor_def=in_process_executor,  # one process per run: a run is one small step
-        tags={"partfin/table": name, "partfin/downstream": name},
-        description=f"One finalized hour of {table.activity_key.to_user_string()}; launched by finalize_{name}_sensor.",
+        tags=table.downstream_tags,
+        description=f"One hour of {table.activity_key.to_user_string()}, by hand (finalize_{name}_sensor requests the "
+        "finalized hours as runs of the asset itself, with the same tags).",
     )
     return activity, job

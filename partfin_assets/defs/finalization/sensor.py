@@ -3,7 +3,7 @@
 Each tick reads base.<table>'s metadata (its `partfin.watermark` property and current snapshot) and
 walks the hours from its cursor up to that watermark in order:
 
-- a RunRequest per newly finalized hour for the downstream job, run_key `<table>:<hour>`, tagged
+- a RunRequest per newly finalized hour of the downstream asset, run_key `<table>:<hour>`, tagged
   with the base snapshot the run reads (finalization/read_points.py): the cursor makes each hour
   come up once, the run_key makes the daemon drop a re-request if a tick dies after submitting but
   before storing its cursor;
@@ -15,6 +15,11 @@ When base merged new cdc commits since the last tick, the late-data ledger says 
 records reached hours already requested; each such hour gets an *amendment* event (`amendment:
 true`, `late_records`, the base snapshot that carries them) and a re-run, run_key
 `<table>:<hour>:amendment:<base snapshot id>`.
+
+The sensor targets both assets it drives (`finalized/<table>` and the downstream asset), so both
+asset pages list it under Automations; its runs are runs of the downstream asset (Dagster's implicit
+asset job, carrying the downstream job's tags), since a job cannot hold `finalized/<table>`, which
+only the sensor records.
 
 The cursor is the first hour not yet handled and the cdc sequence number base had merged; with the
 daemon down nothing is lost: the next tick walks every hour that finalized meanwhile (at most
@@ -143,7 +148,8 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                 # an amendment is a new run of the hour: a run_key of its own, per base snapshot read
                 run_key=f"{table.name}:{key}" + (f":amendment:{position.snapshot_id}" if late is not None else ""),
                 partition_key=key,
-                tags={"partfin/table": table.name, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
+                asset_selection=[table.activity_key],
+                tags={**table.downstream_tags, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
                       "partfin/downstream-hour": f"{table.name}:{key}",  # dagster.yaml: one run of an hour at a time
                       **read_tags(position.snapshot_id, amendment=late is not None)},
             )
@@ -181,8 +187,8 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
     return amendments(late, seen)
 
 
-def build_finalization_sensor(table: PartfinTable, downstream_job):
-    @table_sensor(table, "finalize", downstream_job, table.finalization_interval_seconds, description=(
+def build_finalization_sensor(table: PartfinTable):
+    @table_sensor(table, "finalize", table.finalization_interval_seconds, asset_selection=[table.finalized_key, table.activity_key], description=(
         f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
         f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes {table.finalized_key.to_user_string()}."))
     def finalization_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):

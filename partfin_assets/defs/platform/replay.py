@@ -1,13 +1,14 @@
-"""cdc/<table> as an executable asset: materializing hour partition H replays H from the recorded history.
+"""Materializing hour partition H of cdc/<table> by hand replays H from the recorded history.
 
 The CDC writer (the `sync_<table>` job) keeps reporting a materialization for every hour a
 checkpoint touched; a *manual* materialization of a partition (UI "Materialize", `dagster asset
 materialize --partition`, or a backfill: one run per partition) reads that hour again from the
 history the table's writers read, up to what they had committed (never from the configured source
-as it is now, jobs/replay.py), and OVERWRITEs the hour in cdc.<table>. It may run while sync runs:
-it keeps what the writer appends meanwhile. One replay per table at a time is enforced with the
-op's pool `partfin_replay_<table>` (limit 1 by `concurrency.pools.default_limit` in dagster.yaml;
-pools also apply to runs launched from the UI, which carry no job tags).
+as it is now, jobs/replay.py), and OVERWRITEs the hour in cdc.<table>, keeping what any writer
+appended meanwhile. The replay runs in the op that also runs the sync (defs/platform/sync.py), whose
+pool `partfin_cdc_<table>` (limit 1 by `concurrency.pools.default_limit` in dagster.yaml; pools also
+apply to runs launched from the UI, which carry no job tags) makes one replay per table at a time,
+and never one while the sync's step runs.
 
 A source that cannot read its history again (a replication slot) or no longer holds it (a changed
 file) fails the run at once with the reason; so does a replay that would remove far more records
@@ -16,16 +17,15 @@ replay reads only what the writer committed, so the writer never appends a recor
 """
 
 
-from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, Failure
 
 from partfin_assets.defs.force import ForceConfig, refused
-from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.resources import CdcSourceResource
 from partfin_assets.defs.retry import retry_on_conflict
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.finalization.hour_truth import hour_truths
-from partfin_assets.finalization.report import report_dir
-from partfin_assets.iceberg.catalog import CatalogConfig, load_table_if_exists
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.replay import ReplayRefused, ReplayResult, replay_hour_from_history
@@ -37,8 +37,9 @@ class ReplayConfig(ForceConfig):
     """force: replace the hour even if that removes far more records than it adds (see the module docstring)."""
 
 
-def replay_pool(table: PartfinTable) -> str:
-    return f"partfin_replay_{table.name}"
+def cdc_pool(table: PartfinTable) -> str:
+    """One step writing cdc.<table> at a time: a sync or a replay (the writer and a replay share the op)."""
+    return f"partfin_cdc_{table.name}"
 
 
 def replay_metadata(iceberg, name: str, hour_us: int, result: ReplayResult) -> dict:
@@ -54,47 +55,26 @@ def replay_metadata(iceberg, name: str, hour_us: int, result: ReplayResult) -> d
     return out
 
 
-def build_cdc_asset(table: PartfinTable):
+def replay_partition(context: AssetExecutionContext, table: PartfinTable, iceberg, cdc_source: CdcSourceResource, force: bool) -> dict:
+    """Replay the run's hour partition of cdc.<table>; the partition metadata of the replayed hour."""
     name = table.name
-
-    @asset(
-        key=table.cdc_key,
-        partitions_def=table.partitions_def(),
-        group_name="platform",
-        owners=[table.platform_owner],
-        kinds={"iceberg"},
-        pool=replay_pool(table),
-        tags={"partfin/table": name},
-        metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy,
-                  # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
-                  "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
-        description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). "
-        f"Written by the `sync_{name}` job (every run reports each hour its commits touched or finalized, with the "
-        f"hour's totals). Materializing a partition "
-        f"by hand (or a backfill) replays that hour from the history the writer read, up to what it committed: an "
-        f"OVERWRITE of the hour in cdc.{name} that keeps what the writer appends meanwhile.",
+    hour = hour_from_key(context.partition_key)
+    if load_table_if_exists(iceberg, f"cdc.{name}") is None:
+        raise Failure(description=f"cdc.{name} does not exist yet: run sync_{name} first", allow_retries=False)
+    try:
+        with retry_on_conflict(context, f"replay of {iso_z(hour)} of cdc.{name}"):  # a rewrite raced its appends
+            result = replay_hour_from_history(
+                iceberg, name, hour,
+                job_id=f"dagster-{context.run.run_id}-{context.partition_key}",  # a step re-run finds its own commit
+                force=force, max_records=cdc_source.max_records,
+            )
+    except ReplayRefused as exc:
+        raise refused(str(exc), table.platform_op_name) from None
+    except ReplayNotPossible as exc:
+        raise Failure(description=str(exc), allow_retries=False) from None
+    context.log.info(
+        f"replayed {iso_z(hour)} of cdc.{name} from {result.history}: {result.records} records ({result.added_records} "
+        f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
+        f"{result.late_records} late), snapshot {result.snapshot_id}"
     )
-    def cdc(context: AssetExecutionContext, config: ReplayConfig, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource) -> MaterializeResult:
-        hour = hour_from_key(context.partition_key)
-        iceberg = catalog.load()
-        if load_table_if_exists(iceberg, f"cdc.{name}") is None:
-            raise Failure(description=f"cdc.{name} does not exist yet: run sync_{name} first", allow_retries=False)
-        try:
-            with retry_on_conflict(context, f"replay of {iso_z(hour)} of cdc.{name}"):  # a rewrite raced its appends
-                result = replay_hour_from_history(
-                    iceberg, name, hour,
-                    job_id=f"dagster-{context.run.run_id}-{context.partition_key}",  # a step re-run finds its own commit
-                    force=config.force, max_records=cdc_source.max_records,
-                )
-        except ReplayRefused as exc:
-            raise refused(str(exc), table.cdc_key) from None
-        except ReplayNotPossible as exc:
-            raise Failure(description=str(exc), allow_retries=False) from None
-        context.log.info(
-            f"replayed {iso_z(hour)} of cdc.{name} from {result.history}: {result.records} records ({result.added_records} "
-            f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
-            f"{result.late_records} late), snapshot {result.snapshot_id}"
-        )
-        return MaterializeResult(metadata=replay_metadata(iceberg, name, hour, result))
-
-    return cdc
+    return replay_metadata(iceberg, name, hour, result)
