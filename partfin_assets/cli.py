@@ -261,6 +261,10 @@ def _status(args: argparse.Namespace) -> int:
         if s.unacknowledged_late_hours:
             print(f"{s.name}: late records not acknowledged in hour(s) {', '.join(s.unacknowledged_late_hours)} "
                   "(the late_data check names those not re-run since; `partfin late-data ack` acknowledges)")
+    for s in statuses:
+        if s.rebucket:
+            print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
+                  f"`{s.rebucket}`, then compact")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")

@@ -165,7 +165,6 @@ def test_a_bad_bucket_count_or_table_is_refused_in_one_line(tmp_path: Path):
     assert bucket_count(h.base().spec()) == 4 and h.base().properties[K.PROP_BASE_BUCKETS] == "4"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: growth rule not built yet")
 def test_status_recommends_doubling_when_buckets_outgrow_the_target(tmp_path: Path):
     h, _ = four_bucket_table(tmp_path, rounds=1)
     status = json.loads(partfin(tmp_path, "status", "--json").stdout)

@@ -42,6 +42,7 @@ from partfin_assets.iceberg.files import hour_partition, live_files, partition_p
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
+from partfin_assets.iceberg.tables import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.jobs.job import Hook, Job, JobStart, StagedFiles
 from partfin_assets.jobs.upsert.plan import group_files
 from partfin_assets.model import summary_keys as K
@@ -50,8 +51,6 @@ from partfin_assets.model.timeutil import to_us
 
 log = logging.getLogger(__name__)
 
-
-DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
