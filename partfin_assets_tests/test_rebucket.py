@@ -9,7 +9,6 @@ partfin and the reference model agree, and after the compaction every live file 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.jobs.upsert.plan import bucket_count
 from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_cli import partfin
-from partfin_assets_tests.test_merge_on_read import all_rows, plain_pyiceberg_rows
+from partfin_assets_tests.test_merge_on_read import all_rows, plain_pyiceberg_rows, race
 from partfin_assets_tests.test_upsert import SPEC, Harness
 from partfin_assets_tests.test_upsert_crash import random_changes
 from partfin_assets_tests.test_upsert_properties import reference
@@ -112,31 +111,13 @@ def test_a_job_started_before_the_spec_change_fails_and_its_retry_succeeds(tmp_p
     h, changes = four_bucket_table(tmp_path, rounds=2)
     pending = random_changes(np.random.default_rng(3), 200, 1 + len(changes), KEYS, 200)
     h.write(pending)
-    parked, release = threading.Event(), threading.Event()
 
-    def park(job):
-        parked.set()
-        release.wait(60)
+    def racer(before_commit):
+        if racing == "upsert":
+            return run_upsert(h.catalog, "orders", before_commit=before_commit)
+        return compact(h.catalog, "base.orders", finalized_only=False, before_commit=before_commit)
 
-    outcome: dict = {}
-
-    def racer():
-        try:
-            if racing == "upsert":
-                outcome["value"] = run_upsert(h.catalog, "orders", before_commit=park)
-            else:
-                outcome["value"] = compact(h.catalog, "base.orders", finalized_only=False, before_commit=park)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=racer)
-    thread.start()
-    assert parked.wait(60)
-    try:
-        rebucket(h.catalog, "orders", 8)
-    finally:
-        release.set()
-        thread.join(120)
+    outcome = race(racer, lambda: rebucket(h.catalog, "orders", 8))
     error = outcome.get("error")
     assert isinstance(error, CommitConflictError), outcome
     assert "partition spec changed" in str(error)
@@ -176,3 +157,21 @@ def test_status_recommends_doubling_when_buckets_outgrow_the_target(tmp_path: Pa
     status = json.loads(partfin(tmp_path, "status", "--json").stdout)
     (base,) = [t for t in status["tables"] if t["name"] == "base.orders"]
     assert base["rebucket"] == "partfin base rebucket --table orders --buckets 8"
+
+
+def test_the_spec_change_fails_only_when_the_spec_changed_first(tmp_path: Path):
+    """A MERGE of the layout: a data commit landing meanwhile does not make it fail, another rebucket does."""
+    h, changes = four_bucket_table(tmp_path, rounds=1)
+    pending = random_changes(np.random.default_rng(4), 200, 1 + len(changes), KEYS, 100)
+    h.write(pending)
+    outcome = race(lambda before_commit: rebucket(h.catalog, "orders", 8, before_commit=before_commit),
+                   lambda: run_upsert(h.catalog, "orders"))
+    assert "error" not in outcome, outcome
+    assert bucket_count(h.base().spec()) == 8
+    assert_readers_agree(h, tmp_path, changes + pending)
+
+    outcome = race(lambda before_commit: rebucket(h.catalog, "orders", 16, before_commit=before_commit),
+                   lambda: rebucket(h.catalog, "orders", 32))
+    assert isinstance(outcome.get("error"), CommitConflictError), outcome
+    assert bucket_count(h.base().spec()) == 32 and h.base().properties[K.PROP_BASE_BUCKETS] == "32"
+    assert_readers_agree(h, tmp_path, changes + pending)
