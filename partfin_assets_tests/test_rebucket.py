@@ -2,8 +2,8 @@
 
 A 4-bucket table gets upserts, is rebucketed to 8 through the CLI, gets more upserts (updates,
 deletes and late changes of keys whose old versions sit in files of the old spec), then one
-compaction: after every step read_base, a plain PyIceberg scan in a process that never imported
-partfin and the reference model agree, and after the compaction every live file is of the new spec.
+compaction: after every step read_base, its hour-filtered form (the downstream asset's read), a
+plain PyIceberg scan in a process that never imported partfin and the reference model agree, and after the compaction every live file is of the new spec.
 """
 
 from __future__ import annotations
@@ -13,18 +13,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField
 
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.iceberg.files import data_files, position_delete_files
-from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.iceberg.tables import EVENT_TIME, ensure_base_table, read_base
 from partfin_assets.jobs.compaction import compact
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.rebucket import rebucket
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.jobs.upsert.plan import bucket_count
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 from partfin_assets_tests.test_cli import partfin
 from partfin_assets_tests.test_merge_on_read import all_rows, plain_pyiceberg_rows, race
 from partfin_assets_tests.test_upsert import SPEC, Harness
@@ -50,6 +52,13 @@ def four_bucket_table(tmp_path: Path, rounds: int, seed: int = 5) -> tuple[Harne
 def assert_readers_agree(h: Harness, tmp_path: Path, changes: list) -> None:
     assert h.live() == reference(changes)
     assert plain_pyiceberg_rows(tmp_path) == all_rows(h)
+    # the downstream asset's read: read_base filtered to one hour of _event_time, planned against every live spec
+    live = read_base(h.catalog, "orders")
+    hours = {to_us(t) // US_PER_HOUR * US_PER_HOUR for t in live.column(EVENT_TIME).to_pylist()}
+    for hour in sorted(hours):
+        in_hour = read_base(h.catalog, "orders", row_filter=And(GreaterThanOrEqual(EVENT_TIME, hour), LessThan(EVENT_TIME, hour + US_PER_HOUR)))
+        expected = [r["id"] for r in live.to_pylist() if hour <= to_us(r[EVENT_TIME]) < hour + US_PER_HOUR]
+        assert sorted(in_hour.column("id").to_pylist()) == sorted(expected)
 
 
 def live_spec_ids(h: Harness) -> set[int]:
