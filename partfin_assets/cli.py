@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, status, streams, late-data, report, policy-lab."""
+"""The `partfin` command: ingest, upsert, base, status, streams, late-data, report, policy-lab."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_i
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
+from partfin_assets.jobs.rebucket import rebucket
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
@@ -59,6 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     upsert = commands.add_parser("upsert", help="merge new CDC snapshots into base.<table>")
     upsert.add_argument("--table", required=True)
+
+    base = commands.add_parser("base", help="base.<table>'s layout")
+    base_actions = base.add_subparsers(dest="action", required=True)
+    rebucket_ = base_actions.add_parser(
+        "rebucket", help="grow the bucket count (partition evolution); the next compaction moves old files into the new layout"
+    )
+    rebucket_.add_argument("--table", required=True)
+    rebucket_.add_argument("--buckets", type=int, required=True, help="the new count: a multiple of the current one, greater than it")
 
     status = commands.add_parser("status", help="watermark and progress of every cdc/base table")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -107,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
+        return {"ingest": _ingest, "upsert": _upsert, "base": _base, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
                 "policy-lab": _policy_lab}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
@@ -219,6 +228,13 @@ def _upsert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _base(args: argparse.Namespace) -> int:
+    catalog = load_partfin_catalog()
+    result = retry_on_conflict(lambda: rebucket(catalog, args.table, args.buckets))  # another rebucket won: re-checked on fresh metadata
+    print(result.describe())
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     statuses = all_table_status(load_partfin_catalog())
     if args.json:
@@ -245,6 +261,10 @@ def _status(args: argparse.Namespace) -> int:
         if s.unacknowledged_late_hours:
             print(f"{s.name}: late records not acknowledged in hour(s) {', '.join(s.unacknowledged_late_hours)} "
                   "(the late_data check names those not re-run since; `partfin late-data ack` acknowledges)")
+    for s in statuses:
+        if s.rebucket:
+            print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
+                  f"`{s.rebucket}`, then compact")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")

@@ -20,6 +20,7 @@ from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
 from partfin_assets.iceberg.history import summary_of
 from partfin_assets.iceberg.tables import ensure_base_table, read_base
+from partfin_assets.jobs.rebucket import rebucket
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_merge_on_read import plain_pyiceberg_rows
@@ -124,3 +125,28 @@ def test_a_compaction_that_loses_the_race_commits_nothing_and_leaves_no_files(tm
         for path in s.written:
             assert not Path(path.removeprefix("file://")).exists()
     assert h.live() == reference(changes + more + late)
+
+
+def test_fanned_out_compaction_moves_a_rebucketed_table_into_the_new_layout(tmp_path: Path, instance):
+    h = Harness(tmp_path / "partfin")
+    ensure_base_table(h.catalog, SPEC, buckets=2)
+    rng = np.random.default_rng(13)
+    changes = random_changes(rng, 300, 1, 120, 0)
+    h.write(changes)
+    run_upsert(h.catalog, "orders")
+    rebucket(h.catalog, "orders", 4)
+    more = random_changes(rng, 300, 1000, 120, 60)  # old versions in old-spec files, new ones under the new spec
+    h.write(more)
+    run_upsert(h.catalog, "orders")
+    before_rows = read_base(h.catalog, "orders", include_deleted=True).sort_by("id")
+
+    ok, steps = run_compaction(instance, tmp_path / "partfin", max_groups=8)
+    assert ok
+    assert len([s for s in steps if s.startswith("rewrite_orders")]) == 2, "one step per old bucket's key group"
+    base = h.base()
+    live = data_files(base, base.current_snapshot())
+    assert position_delete_files(base, base.current_snapshot()) == []
+    assert {f.spec_id for f in live} == {base.metadata.default_spec_id}
+    assert sorted(tuple(f.partition) for f in live) == [(0,), (1,), (2,), (3,)], "one data file per new bucket"
+    assert read_base(h.catalog, "orders", include_deleted=True).sort_by("id") == before_rows
+    assert h.live() == reference(changes + more)

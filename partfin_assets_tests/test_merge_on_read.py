@@ -142,6 +142,36 @@ def test_privacy_delete_erases_old_versions_hidden_by_position_deletes(tmp_path:
     assert victim not in h.rows(include_deleted=True)
 
 
+def race(later, first) -> dict:
+    """Start `later(before_commit=park)`, let `first()` commit while it is parked before its commit, then let it go on.
+
+    Returns its outcome: {"value": result} or {"error": exception}.
+    """
+    parked, release = threading.Event(), threading.Event()
+
+    def park(job):
+        parked.set()
+        release.wait(60)
+
+    outcome: dict = {}
+
+    def run_later():
+        try:
+            outcome["value"] = later(before_commit=park)
+        except BaseException as exc:  # noqa: BLE001 - the caller checks it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run_later)
+    thread.start()
+    assert parked.wait(60)
+    try:
+        first()
+    finally:
+        release.set()
+        thread.join(120)
+    return outcome
+
+
 @pytest.mark.parametrize("placement", ["same", "different"])
 @pytest.mark.parametrize("first", ["upsert", "compaction"])
 def test_upsert_and_compaction_on_a_table_with_delete_files(tmp_path: Path, first: str, placement: str):
@@ -157,34 +187,14 @@ def test_upsert_and_compaction_on_a_table_with_delete_files(tmp_path: Path, firs
     others = sorted(p for p in deleted_buckets if p != bucket_of_key)
     target = bucket_of_key if placement == "same" else others[0]
     partition = f"id_bucket={target[0]}"
-    parked, release = threading.Event(), threading.Event()
 
-    def park(job):
-        parked.set()
-        release.wait(60)
+    def compaction(before_commit=None):
+        return compact(h.catalog, "base.orders", partitions=[partition], finalized_only=False, before_commit=before_commit)
 
-    outcome: dict = {}
+    def upsert(before_commit=None):
+        return run_upsert(h.catalog, "orders", before_commit=before_commit)
 
-    def later():
-        try:
-            if first == "upsert":
-                outcome["value"] = compact(h.catalog, "base.orders", partitions=[partition], finalized_only=False, before_commit=park)
-            else:
-                outcome["value"] = run_upsert(h.catalog, "orders", before_commit=park)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=later)
-    thread.start()
-    assert parked.wait(60)
-    try:
-        if first == "upsert":
-            run_upsert(h.catalog, "orders")
-        else:
-            compact(h.catalog, "base.orders", partitions=[partition], finalized_only=False)
-    finally:
-        release.set()
-        thread.join(120)
+    outcome = race(compaction if first == "upsert" else upsert, upsert if first == "upsert" else compaction)
     if placement == "same":
         assert isinstance(outcome.get("error"), CommitConflictError), outcome
     else:

@@ -12,7 +12,7 @@ from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
-from partfin_assets.iceberg.tables import LEDGER_SUFFIX
+from partfin_assets.iceberg.tables import LEDGER_SUFFIX, bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
@@ -38,6 +38,10 @@ class TableStatus:
     # each {"hour", "late_records", "by", "at", "reason"}, and the other hours holding late records
     acknowledged_late_hours: list[dict] | None = None
     unacknowledged_late_hours: list[str] | None = None
+    # base tables: bucket count, live bytes per bucket, and the command to grow it once buckets outgrow their target
+    buckets: int | None = None
+    bytes_per_bucket: int | None = None
+    rebucket: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +61,8 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
     is_cdc = identifier.startswith("cdc.")
     late = late_data(table.catalog, identifier) if is_cdc else {}
     acknowledged = acknowledged_hours(late, acks_of(properties))
+    load = bucket_load(table) if not is_cdc else None
+    grow = load.recommended_buckets if load is not None else None
     return TableStatus(
         name=identifier,
         layer=identifier.split(".")[0],
@@ -72,6 +78,9 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         streams=stream_status(table) if is_cdc else None,
         acknowledged_late_hours=[a.as_dict() for _, a in sorted(acknowledged.items())] if is_cdc else None,
         unacknowledged_late_hours=[iso_z(h) for h in sorted(late) if h not in acknowledged] if is_cdc else None,
+        buckets=load.buckets if load is not None else None,
+        bytes_per_bucket=load.bytes_per_bucket if load is not None else None,
+        rebucket=f"partfin base rebucket --table {identifier.split('.', 1)[1]} --buckets {grow}" if grow else None,
     )
 
 

@@ -9,6 +9,11 @@ records removed files as DELETED entries. Summary (including `partitions.<path>`
 delete files, which the conflict layer reads), manifest list, snapshot and the main-branch
 requirement come from PyIceberg's snapshot producer, so a RowDelta commits like any other
 PyIceberg snapshot inside a partfin transaction.
+
+Added files keep their own partition spec: after partition evolution (a rebucketed base table) a
+position-delete file of a partition of an older spec goes into a manifest of that spec, and the
+summary names its partition as that spec does (PyIceberg's producer assumes the default spec for
+every added file, which would misfile it and hide the partition from the conflict check).
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from pyiceberg.manifest import (
     ManifestWriterV2,
 )
 from pyiceberg.partitioning import PartitionSpec
-from pyiceberg.table.snapshots import Operation
+from pyiceberg.table import TableProperties
+from pyiceberg.table.snapshots import Operation, Summary, SnapshotSummaryCollector, update_snapshot_summaries
 from pyiceberg.table.update.snapshot import _SnapshotProducer
 from pyiceberg.utils.concurrent import ExecutorFactory
+
+from partfin_assets.iceberg.files import spec_id_of
 
 
 class _DeleteManifestWriter(ManifestWriterV2):
@@ -63,6 +71,22 @@ class RowDelta(_SnapshotProducer["RowDelta"]):
     def remove_file(self, data_file: DataFile) -> RowDelta:
         self._deleted_data_files.add(data_file)
         return self
+
+    def _summary(self, snapshot_properties: dict[str, str] | None = None) -> Summary:
+        """PyIceberg's summary, with every added file counted under its own partition spec."""
+        metadata = self._transaction.table_metadata
+        schema, specs = metadata.schema(), metadata.specs()
+        limit = int(metadata.properties.get(TableProperties.WRITE_PARTITION_SUMMARY_LIMIT, TableProperties.WRITE_PARTITION_SUMMARY_LIMIT_DEFAULT))
+        collector = SnapshotSummaryCollector(partition_summary_limit=limit)
+        for data_file in self._added_data_files:
+            collector.add_file(data_file=data_file, partition_spec=specs[spec_id_of(metadata, data_file)], schema=schema)
+        for data_file in self._deleted_data_files:
+            collector.remove_file(data_file=data_file, partition_spec=specs[data_file.spec_id], schema=schema)
+        parent = metadata.snapshot_by_id(self._parent_snapshot_id) if self._parent_snapshot_id is not None else None
+        return update_snapshot_summaries(
+            summary=Summary(operation=self._operation, **collector.build(), **(snapshot_properties or {})),
+            previous_summary=parent.summary if parent is not None else None,
+        )
 
     # the abstract hooks of _SnapshotProducer; _manifests below does the work
     def _deleted_entries(self) -> list[ManifestEntry]:
@@ -109,14 +133,14 @@ class RowDelta(_SnapshotProducer["RowDelta"]):
             raise ValidationException(f"Missing required files to delete: {', '.join(sorted(missing))}")
 
         out = [manifest for manifest, _ in carried if manifest is not None]
-        spec = metadata.spec()
-        for content in (ManifestContent.DATA, ManifestContent.DELETES):
-            added = [f for f in self._added_data_files if _content(f) == content]
-            if added:
-                with self._writer(spec, content) as writer:
-                    for data_file in added:
-                        writer.add(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id, data_file=data_file))
-                out.append(writer.to_manifest_file())
+        added: dict[tuple[int, ManifestContent], list[DataFile]] = defaultdict(list)
+        for data_file in self._added_data_files:
+            added[(spec_id_of(metadata, data_file), _content(data_file))].append(data_file)
+        for (spec_id, content), files in sorted(added.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+            with self._writer(self.spec(spec_id), content) as writer:
+                for data_file in files:
+                    writer.add(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id, data_file=data_file))
+            out.append(writer.to_manifest_file())
         by_group: dict[tuple[int, ManifestContent], list[ManifestEntry]] = defaultdict(list)
         for entry in gone:
             by_group[(entry.data_file.spec_id, _content(entry.data_file))].append(entry)

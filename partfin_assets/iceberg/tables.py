@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -186,6 +187,38 @@ ORDER_FIELDS = Schema(
 
 
 DEFAULT_BUCKETS = 16
+# What one bucket should hold at most: the file size compaction aims at (`write.target-file-size-bytes`, else 128 MiB).
+TARGET_FILE_SIZE_PROPERTY = "write.target-file-size-bytes"
+DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BucketLoad:
+    """How full base.<table>'s buckets are: the rule for `partfin base rebucket` (partfin status)."""
+
+    buckets: int
+    bytes_per_bucket: int  # the live files' bytes (snapshot summary `total-files-size`) over the bucket count
+    target_bytes: int
+
+    @property
+    def recommended_buckets(self) -> int | None:
+        """Twice the count once the average bucket holds more than the target: else None.
+
+        Past the target a compacted bucket is several files and every key group's upsert reads and
+        folds more; doubling keeps the keys of an old bucket in one group (bucket(2N) mod N == bucket(N)).
+        """
+        return 2 * self.buckets if self.bytes_per_bucket > self.target_bytes else None
+
+
+def bucket_load(table: Table) -> BucketLoad | None:
+    """The bucket load of a partfin base table, from metadata only; None for any other table or an empty one."""
+    buckets = table.properties.get(K.PROP_BASE_BUCKETS)
+    snapshot = table.current_snapshot()
+    if not buckets or snapshot is None:
+        return None
+    total = int(summary_of(snapshot).get("total-files-size", "0") or 0)
+    target = int(table.properties.get(TARGET_FILE_SIZE_PROPERTY, DEFAULT_TARGET_FILE_SIZE))
+    return BucketLoad(int(buckets), total // int(buckets), target)
 
 
 def _iceberg_type(data_type: pa.DataType, next_id: Callable[[], int] | None = None) -> IcebergType:

@@ -17,6 +17,11 @@ upsert: compaction folds them back. A bucket with delete files is rewritten
 whole (its rows with the deletes applied, sorted by key) and its delete files
 are removed in the same commit, so a compacted table reads like a freshly
 written one. Buckets are not hours, so every bucket qualifies.
+
+After `partfin base rebucket` (jobs/rebucket.py) a bucket of an older spec is rewritten into files
+of the current spec, whatever its size: together with the current-spec buckets its keys map to
+(its key group, jobs/upsert/plan.py `group_files`), their delete files folded in and removed, so
+after one compaction the table is all in the new layout with one file per new bucket.
 """
 
 from __future__ import annotations
@@ -37,15 +42,15 @@ from partfin_assets.iceberg.files import hour_partition, live_files, partition_p
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
+from partfin_assets.iceberg.tables import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.jobs.job import Hook, Job, JobStart, StagedFiles
+from partfin_assets.jobs.upsert.plan import group_files
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import to_us
 
 log = logging.getLogger(__name__)
 
-
-DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,29 @@ class PartitionRewrite:
     files: list[DataFile]  # the data files to rewrite
     deletes: list[DataFile]  # the partition's position-delete files, folded in
     files_before: int  # live data files of the partition at the start snapshot
+    paths: tuple[str, ...] = ()  # the partitions it rewrites when more than one (a key group moved into the current spec)
+
+
+def old_spec_rewrites(table: Table, files: dict[str, list[DataFile]]) -> list[PartitionRewrite]:
+    """One rewrite per key group holding a partition of an older spec among `files`: every data and delete file of the group.
+
+    Rewritten under the current spec, the group's rows land in its current-spec buckets, one file each.
+    """
+    current = table.metadata.default_spec_id
+    old = {path for path, partition_files in files.items() if any(f.spec_id != current for f in partition_files)}
+    if not old:
+        return []
+    _, layout = group_files(table)
+    out = []
+    for group in layout.values():
+        if old.isdisjoint(group.paths):
+            continue
+        data = [f for p in group.partitions for f in p.data]
+        out.append(PartitionRewrite(
+            " + ".join(group.paths), sorted(data, key=lambda f: f.file_path), [d for p in group.partitions for d in p.deletes], len(data),
+            paths=tuple(group.paths),
+        ))
+    return out
 
 
 @dataclass(frozen=True)
@@ -183,7 +211,10 @@ def plan_compaction_job(
     for delete_file in position_delete_files(table, table.current_snapshot()):
         deletes.setdefault(partition_path(table.metadata, delete_file), []).append(delete_file)
     plan = plan_compaction(files, target_file_size_bytes, min_input_files, deletes)
-    rewrites = [PartitionRewrite(p, small, deletes.get(p, []), len(files[p])) for p, small in sorted(plan.items())]
+    moved = old_spec_rewrites(table, files)
+    moved_paths = {path for rewrite in moved for path in rewrite.paths}
+    rewrites = [PartitionRewrite(p, small, deletes.get(p, []), len(files[p])) for p, small in sorted(plan.items()) if p not in moved_paths]
+    rewrites += moved
     return CompactionPlan(job.identifier, job.started, rewrites, sort_by or key_column(table), target_file_size_bytes, skipped)
 
 

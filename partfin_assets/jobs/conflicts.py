@@ -161,10 +161,13 @@ def commits_touching(
     """
     metadata = table.metadata
     targets = frozenset(targets)
+    # A spec change (partfin base rebucket) moves every partition: it conflicts whatever the job targets,
+    # even a job that targets none yet (a rebucket racing another).
+    if start_spec_id is not None and metadata.default_spec_id != start_spec_id:
+        return Conflict(metadata.current_snapshot_id, targets or frozenset({WHOLE_TABLE}), None, None,
+                        "the partition spec changed since the job started")
     if not targets:
         return []
-    if start_spec_id is not None and metadata.default_spec_id != start_spec_id:
-        return Conflict(metadata.current_snapshot_id, targets, None, None, "the partition spec changed since the job started")
     chain = snapshots_since(metadata, start_snapshot_id, start_sequence_number)
     if chain is None:
         return Conflict(

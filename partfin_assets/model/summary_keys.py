@@ -43,6 +43,9 @@ JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an OVERWRIT
 # compaction (jobs/compaction.py)
 COMPACTION_FILES_BEFORE = "partfin.compaction.files-before"
 COMPACTION_FILES_AFTER = "partfin.compaction.files-after"
+# the spec change of `partfin base rebucket` (jobs/rebucket.py): bucket counts before and after
+REBUCKET_FROM = "partfin.rebucket.from"
+REBUCKET_TO = "partfin.rebucket.to"
 # replay / backfill of an hour (jobs/replay.py): stats of what the replay wrote, under its own keys,
 # so that the watermark policy skips the commit (it carries no partfin.event-time.* entries)
 REPLAY_HOUR = "partfin.replay.hour"
@@ -82,7 +85,7 @@ PROP_LATE_BUDGET_LEARNED = "partfin.watermark.late-budget"
 PROP_SOURCE_TABLE = "partfin.source-table"
 PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
 PROP_FUTURE_TOLERANCE = "partfin.event-time.future-tolerance"  # cdc: how far past the commit clock an event time is plausible (default 5m)
-PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count, fixed at creation
+PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count of the current spec (`partfin base rebucket` grows it)
 PROP_DELTA_COLUMNS = "partfin.write.parquet.delta-columns"  # comma-separated columns partfin writes DELTA_BINARY_PACKED (base: key, ordering)
 
 # snapshot refs
