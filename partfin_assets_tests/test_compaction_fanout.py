@@ -14,7 +14,7 @@ import pytest
 from dagster import DagsterInstance, Definitions, execute_job, reconstructable
 
 from partfin_assets.defs.platform.compaction_fanout import build_compaction_fanout_job
-from partfin_assets.defs.platform.upsert_fanout import FORKSERVER
+from partfin_assets.defs.platform.fanout import FORKSERVER
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files

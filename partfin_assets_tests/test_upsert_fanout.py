@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from dagster import DagsterInstance, Definitions, execute_job, reconstructable
 
-from partfin_assets.defs.platform.upsert_fanout import FORKSERVER, build_upsert_job
+from partfin_assets.defs.platform.fanout import FORKSERVER
+from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.history import summary_of
