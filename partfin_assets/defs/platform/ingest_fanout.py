@@ -133,6 +133,12 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
             writer.close()
             raise Failure(f"{len(failed)} share(s) failed, nothing committed, every share's files deleted: "
                           + "; ".join(f"batch {o.checkpoint} share {o.share}: {o.error}" for o in failed))
+        gone = [f.file_path for o in outcomes for f in o.written.data_files if not writer.table.io.new_input(f.file_path).exists()]
+        if gone:  # an earlier attempt of this step deleted them (re-executed from a failure): only a fresh plan can commit
+            _discard(writer, outcomes)
+            writer.close()
+            raise Failure(f"{len(gone)} file(s) of this plan were deleted by an earlier attempt (e.g. {gone[0]}): "
+                          "nothing committed; re-execute the whole run")
         by_checkpoint: dict[int, list[ShareOutcome]] = defaultdict(list)
         for outcome in outcomes:
             by_checkpoint[outcome.checkpoint].append(outcome)
