@@ -4,8 +4,9 @@ The writer/committer split of Flink's Iceberg sink, for a table whose ingest out
 `plan_ingest_<table>` reads up to `max_checkpoints` batches of the table's source from the writer's
 committed position (writer id `<table>-writer`, as `partfin ingest` and `sync_<table>`, so the
 fence holds between all of them) and routes each batch's records by key into `shares`; one
-`write_share_<table>` step per share of every batch writes its data files to the table's storage
-and runs the accumulators over it (ingest/writer.py `write_share`); `commit_ingest_<table>` commits
+`write_share_<table>` step per share writes that share of every batch as data files on the table's
+storage and runs the accumulators over it (ingest/writer.py `write_share`; one step per share, not
+per share and batch: a step costs a process start); `commit_ingest_<table>` commits
 the batches in order, one Iceberg commit each, through the writer's one commit path
 (`CdcWriter.commit_checkpoint`: fence, watermark processors, summary, ledger, expiry).
 
@@ -15,7 +16,6 @@ plan); a fenced or failed commit deletes the files of every checkpoint not commi
 racing run cannot land a batch twice: each commit moves the writer's position by compare-and-set.
 """
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -50,19 +50,17 @@ class IngestPlan:
 
 @dataclass(frozen=True)
 class ShareTask:
-    checkpoint: int  # index in the plan
     share: int
-    records: pa.Table
+    records: list[pa.Table]  # this share of each batch of the plan, in order
     accumulators: tuple[type[Accumulator], ...]
 
 
 @dataclass(frozen=True)
 class ShareOutcome:
-    """A share step's result: its written share, or (its own files deleted) the error it failed with."""
+    """A share step's result: this share of each batch written, or (its own files deleted) the error it failed with."""
 
-    checkpoint: int
     share: int
-    written: WrittenShare | None
+    written: list[WrittenShare]
     error: str | None = None
 
 
@@ -72,7 +70,7 @@ def _writer(iceberg, table: PartfinTable, cdc_source: CdcSourceResource) -> CdcW
 
 
 def _discard(writer: CdcWriter, outcomes: list[ShareOutcome]) -> None:
-    delete_files(writer.table.io, [f.file_path for o in outcomes if o.written is not None for f in o.written.data_files])
+    delete_files(writer.table.io, [f.file_path for o in outcomes for w in o.written for f in w.data_files])
 
 
 def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
@@ -80,7 +78,7 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
 
     @op(name=f"plan_ingest_{name}", out={"plan": Out(IngestPlan), "shares": DynamicOut(ShareTask)}, tags={"kind": "iceberg"})
     def plan(context: OpExecutionContext, config: IngestFanoutConfig, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource):
-        """Read up to `max_checkpoints` batches from the writer's committed position; one output per share of each."""
+        """Read up to `max_checkpoints` batches from the writer's committed position; one output per share (of every batch)."""
         writer = _writer(catalog.load(), table, cdc_source)
         try:
             with cdc_source.reading(table) as source:
@@ -95,30 +93,31 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
         context.log.info(f"{len(checkpoints)} batch(es), {records} record(s) from checkpoint {start.checkpoint_id} of "
                          f"{writer.writer_id}, in {config.shares} share(s) each")
         yield Output(IngestPlan(start, checkpoints), "plan")
-        accumulators = tuple(writer.accumulators)
-        for index, checkpoint in enumerate(checkpoints):
-            for share, records in enumerate(checkpoint.shares(config.shares)):
-                if records.num_rows:
-                    yield DynamicOutput(ShareTask(index, share, records, accumulators), output_name="shares", mapping_key=f"c{index}_s{share}")
+        if not records:
+            return  # nothing to write (heartbeats, rejects only): the committer alone
+        by_share = zip(*(checkpoint.shares(config.shares) for checkpoint in checkpoints))
+        for share, parts in enumerate(by_share):
+            yield DynamicOutput(ShareTask(share, list(parts), tuple(writer.accumulators)), output_name="shares", mapping_key=f"share_{share}")
 
     @op(name=f"write_share_{name}", tags={"kind": "iceberg"})
     def write(context: OpExecutionContext, catalog: IcebergCatalogResource, task: ShareTask) -> ShareOutcome:
-        """Write one share's data files (not committed: the commit step commits or deletes them) and its partials."""
+        """Write this share of every batch: data files (not committed: the commit step commits or deletes them) and partials."""
         cdc = catalog.load().load_table(table.spec.cdc_identifier)
-        written = None
+        written: list[WrittenShare] = []
         try:
-            written = write_share(cdc, task.records, task.accumulators)
-            crash_point("share-written")
-            fail_point(f"share-written:{task.checkpoint}:{task.share}")
+            for records in task.records:
+                written.append(write_share(cdc, records, task.accumulators))
+                crash_point("share-written")
+                fail_point(f"share-written:{len(written) - 1}:{task.share}")
         except BaseException as exc:
-            if written is not None:
-                delete_files(cdc.io, [f.file_path for f in written.data_files])
+            delete_files(cdc.io, [f.file_path for w in written for f in w.data_files])
             if not isinstance(exc, Exception):
                 raise  # interrupted: the run stops here
-            context.log.error(f"share {task.share} of batch {task.checkpoint} failed, its files deleted: {one_line(exc)}")
-            return ShareOutcome(task.checkpoint, task.share, None, one_line(exc))
-        context.log.info(f"batch {task.checkpoint}, share {task.share}: {task.records.num_rows} record(s) in {len(written.data_files)} file(s)")
-        return ShareOutcome(task.checkpoint, task.share, written)
+            context.log.error(f"share {task.share} of batch {len(written)} failed, the share's files deleted: {one_line(exc)}")
+            return ShareOutcome(task.share, [], one_line(exc))
+        files = sum(len(w.data_files) for w in written)
+        context.log.info(f"share {task.share}: {sum(r.num_rows for r in task.records)} record(s) of {len(written)} batch(es) in {files} file(s)")
+        return ShareOutcome(task.share, written)
 
     @op(name=f"commit_ingest_{name}", tags={"kind": "iceberg"})
     def commit(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource, plan: IngestPlan,
@@ -132,25 +131,23 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
             _discard(writer, outcomes)
             writer.close()
             raise Failure(f"{len(failed)} share(s) failed, nothing committed, every share's files deleted: "
-                          + "; ".join(f"batch {o.checkpoint} share {o.share}: {o.error}" for o in failed))
-        gone = [f.file_path for o in outcomes for f in o.written.data_files if not writer.table.io.new_input(f.file_path).exists()]
+                          + "; ".join(f"share {o.share}: {o.error}" for o in failed))
+        gone = [f.file_path for o in outcomes for w in o.written for f in w.data_files if not writer.table.io.new_input(f.file_path).exists()]
         if gone:  # an earlier attempt of this step deleted them (re-executed from a failure): only a fresh plan can commit
             _discard(writer, outcomes)
             writer.close()
             raise Failure(f"{len(gone)} file(s) of this plan were deleted by an earlier attempt (e.g. {gone[0]}): "
                           "nothing committed; re-execute the whole run")
-        by_checkpoint: dict[int, list[ShareOutcome]] = defaultdict(list)
-        for outcome in outcomes:
-            by_checkpoint[outcome.checkpoint].append(outcome)
+        shares = sorted(outcomes, key=lambda o: o.share)
+        by_checkpoint = {index: [o.written[index] for o in shares] for index in range(len(plan.checkpoints)) if shares}
         watermark_before = watermark_of(writer.table.properties)
         writer.expect_position(plan.start)  # where the plan read its batches: anyone committing since fences this run
         touched: set[int] = set()
         committed = 0
         try:
             for index, checkpoint in enumerate(plan.checkpoints):
-                shares = sorted(by_checkpoint.pop(index, []), key=lambda o: o.share)
-                # a batch without records (a heartbeat, rejects only) had no share step: its empty partials come from here
-                written = [o.written for o in shares] or writer.write_shares(checkpoint)
+                # a plan without records (heartbeats, rejects only) had no share step: its empty partials come from here
+                written = by_checkpoint.pop(index, None) or writer.write_shares(checkpoint)
                 try:
                     result = writer.commit_checkpoint(checkpoint, written)
                 except WriterFenced as fenced:
@@ -160,7 +157,7 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
                     committed += 1
                     touched.update(report_checkpoint(context, table, writer, result))
         finally:
-            _discard(writer, [o for rest in by_checkpoint.values() for o in rest])  # the checkpoints not committed
+            delete_files(writer.table.io, [f.file_path for rest in by_checkpoint.values() for w in rest for f in w.data_files])  # not committed
             writer.close()  # records the checkpoints in the ledger
         report_ingest(context, table, iceberg, writer, watermark_before, touched, committed)
 
