@@ -13,8 +13,7 @@ import subprocess
 from pathlib import Path
 
 import polars as pl
-import pytest
-from dagster import DagsterInstance, Definitions, ReexecutionOptions, execute_job, reconstructable
+from dagster import Definitions, ReexecutionOptions, execute_job, reconstructable
 
 from partfin_assets.defs.platform.fanout import FORKSERVER
 from partfin_assets.defs.platform.ingest_fanout import build_ingest_fanout_job
@@ -37,14 +36,6 @@ def fanout_job():
     """Module level, so every step process can rebuild the job (reconstructable)."""
     job = build_ingest_fanout_job(PartfinTable(spec=dataclasses.replace(ORDERS_SPEC, watermark_policy=POLICY), source="synthetic"))
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource()}).get_job_def(job.name)
-
-
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "partfin"))
-    (tmp_path / "dagster").mkdir()
-    with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
-        yield instance
 
 
 def run_fanout(instance, home: Path, source: str, *, max_records: int, max_checkpoints: int, shares: int = 2, spawn: bool = False,
