@@ -89,6 +89,12 @@ class PreparedCheckpoint:
         """The records split by key into `count` shares (one key always in one share)."""
         return route_by_key(self.records, count)
 
+    def for_commit(self) -> PreparedCheckpoint:
+        """The checkpoint as its committer needs it once the shares are written elsewhere: of the records, only what
+        the commit reads (their count, event and arrival times), not the payloads it would otherwise be handed."""
+        read = [c for c in ("event_time", ARRIVAL_TIME) if c in self.records.column_names]
+        return replace(self, records=self.records.select(read))
+
 
 @dataclass(frozen=True)
 class WrittenShare:

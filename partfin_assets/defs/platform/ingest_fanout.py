@@ -92,7 +92,7 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
         records = sum(c.records.num_rows for c in checkpoints)
         context.log.info(f"{len(checkpoints)} batch(es), {records} record(s) from checkpoint {start.checkpoint_id} of "
                          f"{writer.writer_id}, in {config.shares} share(s) each")
-        yield Output(IngestPlan(start, checkpoints), "plan")
+        yield Output(IngestPlan(start, [c.for_commit() for c in checkpoints]), "plan")
         if not records:
             return  # nothing to write (heartbeats, rejects only): the committer alone
         by_share = zip(*(checkpoint.shares(config.shares) for checkpoint in checkpoints))
