@@ -163,7 +163,7 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
 
     @fanout_job(
         f"ingest_{name}_fanout",
-        f"CDC writer for cdc.{name} as steps: read batches, one write step per share of each, then one committer "
+        f"CDC writer for cdc.{name} as steps: read batches, one write step per share (of every batch), then one committer "
         "step (one Iceberg commit per batch): the scale-out form of the sync job's ingest.",
         {"partfin/table": name, "partfin/writer": f"cdc.{name}"},
         max_concurrent=max_concurrent,
