@@ -79,7 +79,7 @@ def commit_changes(catalog, rows: int, changes: int, round_: int) -> None:
 def run(instance, table: str, processes: int) -> float:
     from dagster import execute_job, reconstructable
 
-    from partfin_assets.defs.platform.upsert_fanout import FORKSERVER
+    from partfin_assets.defs.platform.fanout import FORKSERVER
 
     target = reconstructable(fanout_job_fa if table == "fa" else fanout_job_fb)
     config = {"execution": {"config": {"max_concurrent": processes, "start_method": FORKSERVER}}}

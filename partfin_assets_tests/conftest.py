@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 import pytest
+from dagster import DagsterInstance
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
@@ -20,6 +21,15 @@ MINUTE_US = 60_000_000
 HOUR_US = 3_600_000_000
 # min-of-last:3: the policy most tests here reason about (one commit is one step); new tables default to late-budget
 ORDERS = TableSpec("orders", ("id",), {"id": pa.int64(), "amount": pa.float64()}, watermark_policy="min-of-last:3")
+
+
+@pytest.fixture
+def instance(tmp_path, monkeypatch):
+    """A real Dagster instance in tmp_path, PARTFIN_HOME at tmp_path/partfin (the fan-out jobs' tests)."""
+    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "partfin"))
+    (tmp_path / "dagster").mkdir()
+    with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
+        yield instance
 
 
 @pytest.fixture

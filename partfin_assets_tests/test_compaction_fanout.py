@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dagster import DagsterInstance, Definitions, execute_job, reconstructable
+from dagster import Definitions, execute_job, reconstructable
 
 from partfin_assets.defs.platform.compaction_fanout import build_compaction_fanout_job
-from partfin_assets.defs.platform.upsert_fanout import FORKSERVER
+from partfin_assets.defs.platform.fanout import FORKSERVER
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
@@ -33,14 +33,6 @@ def compaction_job():
     """Module level, so every step process can rebuild the job (reconstructable)."""
     job = build_compaction_fanout_job(PartfinTable(spec=SPEC, source="synthetic"))
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource()}).get_job_def(job.name)
-
-
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "partfin"))
-    (tmp_path / "dagster").mkdir()
-    with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
-        yield instance
 
 
 def run_compaction(instance, home: Path, max_groups: int):

@@ -1,5 +1,6 @@
-"""The whole pipeline with the warehouse on S3 (moto's server on loopback): ingest, a fanned-out upsert
-on Dagster's multiprocess executor, the in-process upsert, compaction, and the downstream asset.
+"""The whole pipeline with the warehouse on S3 (moto's server on loopback): the CLI ingest, then the fanned-out
+ingest and the fanned-out upsert on Dagster's multiprocess executor, the in-process upsert, compaction, and the
+downstream asset.
 
 Every data and delete file lands in the bucket (none on local disk), steps in other processes
 read and write them, and the base rows equal the reference merge of everything in cdc.orders.
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance, Definitions, execute_job, reconstructable
 
+from partfin_assets.defs.platform.ingest_fanout import build_ingest_fanout_job
 from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
-from partfin_assets.defs.resources import IcebergCatalogResource
+from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
 from partfin_assets.iceberg.tables import DELETED, SOURCE_SEQ, read_base
@@ -39,6 +41,12 @@ def orders_table() -> PartfinTable:
 def fanout_job():
     job = build_upsert_job(orders_table())
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource()}).get_job_def(job.name)
+
+
+def ingest_fanout_job():
+    job = build_ingest_fanout_job(orders_table())
+    resources = {"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource(source=SOURCE)}
+    return Definitions(jobs=[job], resources=resources).get_job_def(job.name)
 
 
 @pytest.fixture
@@ -91,13 +99,20 @@ def partfin(*args: str) -> str:
 def test_pipeline_end_to_end_on_object_storage(tmp_path: Path, lake: Path, s3: S3Server):
     partfin("ingest", "--table", "orders", "--source", SOURCE, "--checkpoint-records", "4000", "--max-checkpoints", "4")
     partfin("upsert", "--table", "orders")  # the first load
-    partfin("ingest", "--table", "orders", "--source", SOURCE, "--checkpoint-records", "4000")  # the rest: updates of the same keys
 
     (tmp_path / "dagster").mkdir()
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
         # spawned step processes: they take this test's environment (a forkserver started by an earlier
         # test in this process would hand its children that test's environment)
         config = {"execution": {"config": {"max_concurrent": 2, "start_method": {"spawn": {}}}}}
+        # the rest (updates of the same keys) through the fanned-out writer: shares written by steps, one committer
+        ingest = {**config, "ops": {"plan_ingest_orders": {"config": {"max_records": 4000, "max_checkpoints": 100, "shares": 2}}}}
+        with execute_job(reconstructable(ingest_fanout_job), instance=instance, run_config=ingest) as result:
+            assert result.success
+            share_steps = [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS" and e.step_key.startswith("write_share_")]
+            assert len(share_steps) == 2, "one step per share, writing that share of every batch"
+        with execute_job(reconstructable(ingest_fanout_job), instance=instance, run_config=ingest) as result:
+            assert result.success  # the source is exhausted: nothing more
         with execute_job(reconstructable(fanout_job), instance=instance, run_config=config) as result:
             assert result.success
             merge_steps = [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS" and e.step_key.startswith("merge_group_")]
@@ -116,6 +131,7 @@ def test_pipeline_end_to_end_on_object_storage(tmp_path: Path, lake: Path, s3: S
     spec = TableSpec.from_properties("orders", cdc.properties)
     changes, unfit = decode_changes(spec, cdc.scan().to_arrow())
     assert unfit.num_rows == 0
+    assert changes.get_column(SOURCE_SEQ).is_unique().all(), "no event twice, whichever writer landed it"
     expected = latest_per_log(spec, changes)  # every key's newest change (one writer: one change log)
     expected_rows = {(r["id"], r[SOURCE_SEQ], r[DELETED]) for r in expected.select("id", SOURCE_SEQ, DELETED).to_dicts()}
 

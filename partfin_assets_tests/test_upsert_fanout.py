@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dagster import DagsterInstance, Definitions, execute_job, reconstructable
+from dagster import Definitions, execute_job, reconstructable
 
-from partfin_assets.defs.platform.upsert_fanout import FORKSERVER, build_upsert_job
+from partfin_assets.defs.platform.fanout import FORKSERVER
+from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.history import summary_of
@@ -30,14 +31,6 @@ def fanout_job():
     """Module level, so every step process can rebuild the job (reconstructable)."""
     job = build_upsert_job(PartfinTable(spec=SPEC, source="synthetic"))
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource()}).get_job_def(job.name)
-
-
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("PARTFIN_HOME", str(tmp_path / "partfin"))
-    (tmp_path / "dagster").mkdir()
-    with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
-        yield instance
 
 
 def run_fanout(instance, home: Path, processes: int = 2):

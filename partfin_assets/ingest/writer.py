@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import closing
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -64,6 +65,43 @@ class CheckpointResult:
     records: int
     rejected: int
     summary: dict[str, str]
+
+
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """A source batch read and ready to write and commit; picklable, so its shares may be written in other processes.
+
+    It commits as the checkpoint after the committing writer's position (`CdcWriter.expect_position`:
+    the position its batch was read from, or the checkpoint before it), and only if the table still
+    holds that position (the fence).
+    """
+
+    records: pa.Table  # the batch's CDC records, with their change log (source_log)
+    offset: str
+    rejected: pa.Table
+    heartbeat_us: int | None
+    partition: str | None  # the batch's source partition (ChangeBatch.stream)
+    stream_id: str  # its progress stream
+    source_identity: SourceIdentity | None
+    source_streams: tuple[str, ...]  # the partitions the source read then, as stream ids
+
+    def shares(self, count: int) -> list[pa.Table]:
+        """The records split by key into `count` shares (one key always in one share)."""
+        return route_by_key(self.records, count)
+
+    def for_commit(self) -> PreparedCheckpoint:
+        """The checkpoint as its committer needs it once the shares are written elsewhere: of the records, only what
+        the commit reads (their count, event and arrival times), not the payloads it would otherwise be handed."""
+        read = [c for c in ("event_time", ARRIVAL_TIME) if c in self.records.column_names]
+        return replace(self, records=self.records.select(read))
+
+
+@dataclass(frozen=True)
+class WrittenShare:
+    """One share of a checkpoint written: its data files (not committed) and its accumulators' partial results; picklable."""
+
+    data_files: list[DataFile]
+    partials: dict[str, Any]
 
 
 class WriterFenced(PartfinError):
@@ -147,31 +185,72 @@ class CdcWriter:
     # ---- one checkpoint
 
     def write_checkpoint(self, batch: ChangeBatch) -> CheckpointResult:
-        checkpoint_id = self.last_checkpoint_id + 1
+        """Read, write and commit one batch: `prepare`, `write_shares`, `commit_checkpoint`, in this process."""
+        prepared = self.prepare(batch)
+        return self.commit_checkpoint(prepared, self.write_shares(prepared))
+
+    def prepare(self, batch: ChangeBatch) -> PreparedCheckpoint:
+        """A batch as a checkpoint, its records carrying their change log."""
         stream_id = self.stream_id(batch.stream)
         try:
             records = with_source_log(cdc_records(batch.records), stream_id)  # the stream is the records' change log
         except ValueError as exc:
             raise ValueError(f"{self.spec.name}: {exc}") from None
         heartbeat_us = to_us(batch.heartbeat) if batch.heartbeat is not None else None
-        if records.num_rows == 0 and batch.rejected.num_rows == 0 and not self._heartbeat_due(stream_id, heartbeat_us):
+        return PreparedCheckpoint(records, batch.offset, batch.rejected, heartbeat_us, batch.stream, stream_id,
+                                  self.source_identity, self._source_streams)
+
+    def expect_position(self, start: CommittedPosition) -> None:
+        """The next checkpoint goes on from `start` (where its batch was read, maybe by another process): if anyone
+        committed under this writer id since, its commit is fenced."""
+        self._take_position(start)
+
+    def write_shares(self, prepared: PreparedCheckpoint) -> list[WrittenShare]:
+        """Write a checkpoint's shares on this writer's subtasks (threads); if one fails, every share's files are deleted."""
+        parts = prepared.shares(self.subtasks)
+        if self._pool is None:
+            return [write_share(self.table, part, self.accumulators, self._file_pool) for part in parts]
+        futures = [self._pool.submit(write_share, self.table, part, self.accumulators, self._file_pool) for part in parts]
+        wait(futures)  # every subtask settles before a failure propagates, so none writes after the cleanup
+        failures = [f.exception() for f in futures if f.exception() is not None]
+        if failures:
+            delete_files(self.table.io, [d.file_path for f in futures if f.exception() is None for d in f.result().data_files])
+            raise failures[0]
+        return [f.result() for f in futures]
+
+    def commit_checkpoint(self, prepared: PreparedCheckpoint, written: Sequence[WrittenShare]) -> CheckpointResult:
+        """Commit a checkpoint's written shares as one Iceberg commit (the only way a checkpoint commits).
+
+        A record-less checkpoint commits only its rejects or a due heartbeat. If the commit is fenced
+        (WriterFenced) or fails, the shares' files are deleted.
+        """
+        data_files = [f for share in written for f in share.data_files]
+        try:
+            return self._commit_checkpoint(prepared, data_files, written)
+        except BaseException:
+            delete_files(self.table.io, [f.file_path for f in data_files])
+            raise
+
+    def _commit_checkpoint(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> CheckpointResult:
+        checkpoint_id = self.last_checkpoint_id + 1
+        records, stream_id, heartbeat_us = prepared.records, prepared.stream_id, prepared.heartbeat_us
+        if records.num_rows == 0 and prepared.rejected.num_rows == 0 and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
-        data_files, partials = self._write_subtasks(records)
         crash_point("after-files")
-        accumulated = {acc.name: acc.merge(partials[acc.name]) for acc in self.accumulators}
-        rejected = self._commit_rejected(batch, checkpoint_id)
+        accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
+        rejected = self._commit_rejected(prepared.rejected, checkpoint_id)
 
         base_summary = {
             K.WRITER_ID: self.writer_id,
             K.CHECKPOINT_ID: str(checkpoint_id),
-            K.SOURCE_OFFSET: batch.offset,
+            K.SOURCE_OFFSET: prepared.offset,
         }
-        if batch.stream is not None:
+        if prepared.partition is not None:
             base_summary[K.STREAM] = stream_id
-        if self.source_identity is not None:
-            base_summary[K.SOURCE] = self.source_identity.to_json()
+        if prepared.source_identity is not None:
+            base_summary[K.SOURCE] = prepared.source_identity.to_json()
         for acc in self.accumulators:
             base_summary.update(acc.summary(accumulated[acc.name]))
         if records.num_rows == 0 and heartbeat_us is not None:
@@ -186,7 +265,7 @@ class CdcWriter:
         source_clocks: list[int | None] = []
         start = self.position
         fenced: list[CommittedPosition] = []
-        position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, batch.offset).encode()}
+        position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, prepared.offset).encode()}
 
         def build(table: Table, commit_id: str):
             committed = writer_position(table.metadata, self.writer_id)
@@ -212,23 +291,18 @@ class CdcWriter:
                 for data_file in data_files:
                     append.append_data_file(data_file)
             stream = replace(stream, progress_us=ctx.stream_progress_us, seen_us=clock_us, retired=False)
-            partition_streams = self._partition_streams(streams, clock_us) if batch.stream is not None else {}
+            partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
             tx.set_properties({**ctx.properties, **position_property, **partition_streams, **stream_property(stream)})
             return tx
 
-        try:
-            result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
-        except BaseException:
-            delete_files(self.table.io, [f.file_path for f in data_files])
-            raise
+        result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
         if fenced:
-            delete_files(self.table.io, [f.file_path for f in data_files])
             self.table = result.table
             self._take_position(fenced[-1])
             raise WriterFenced(self.spec.cdc_identifier, self.writer_id, start, fenced[-1])
         crash_point("after-commit")
         self.table = result.table
-        self._take_position(CommittedPosition(checkpoint_id, batch.offset))
+        self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
         self._source_clocks[stream_id] = source_clocks[-1]
         snapshot = result.snapshot
         for processor in self.processors:
@@ -247,58 +321,18 @@ class CdcWriter:
         rows = checkpoint_rows(checkpoint, event_time, records.column(ARRIVAL_TIME))
         self._ledger.add(rows)
 
-    def _write_subtasks(self, records: pa.Table) -> tuple[list[DataFile], dict[str, list[Any]]]:
-        parts = route_by_key(records, self.subtasks)
-        if self._pool is None:
-            results = [self._run_subtask(part) for part in parts]
-        else:
-            futures = [self._pool.submit(self._run_subtask, part) for part in parts]
-            wait(futures)  # every subtask settles before a failure propagates, so none writes after the cleanup
-            failures = [f.exception() for f in futures if f.exception() is not None]
-            if failures:
-                delete_files(self.table.io, [d.file_path for f in futures if f.exception() is None for d in f.result()[0]])
-                raise failures[0]
-            results = [f.result() for f in futures]
-        data_files = [f for files, _ in results for f in files]
-        partials = {acc.name: [p[acc.name] for _, p in results] for acc in self.accumulators}
-        return data_files, partials
-
-    def _run_subtask(self, part: pa.Table) -> tuple[list[DataFile], dict[str, Any]]:
-        if not part.num_rows:
-            return [], self._accumulate(part)
-        if self._file_pool is None:
-            return self._write_files(part), {}
-        # PyIceberg's Parquet write spends most of its time outside the GIL: the accumulators run beside it
-        written = self._file_pool.submit(self._write_files, part)
-        try:
-            partials = self._accumulate(part)
-        except BaseException:
-            if written.exception() is None:  # this checkpoint will not commit: remove what was written beside
-                delete_files(self.table.io, [f.file_path for f in written.result()])
-            raise
-        return written.result(), partials
-
-    def _write_files(self, part: pa.Table) -> list[DataFile]:
-        return list(write_data_files(self.table, part))
-
-    def _accumulate(self, part: pa.Table) -> dict[str, Any]:
-        accumulators = [acc() for acc in self.accumulators]
-        for accumulator in accumulators:
-            accumulator.add(part)
-        return {a.name: a.partial() for a in accumulators}
-
-    def _commit_rejected(self, batch: ChangeBatch, checkpoint_id: int) -> int:
+    def _commit_rejected(self, rejected: pa.Table, checkpoint_id: int) -> int:
         """Rejected records land in cdc.<table>__rejected once per source position, however batches are cut.
 
         They commit before the checkpoint (so a landed checkpoint always has its rejects); a batch that
         then loses its commit, or a run that crashes before it, leaves them there, and whoever reads
         those positions again finds them already in (by writer id and source_seq) and skips them.
         """
-        count = batch.rejected.num_rows
+        count = rejected.num_rows
         if count == 0:
             return 0
         marker = {K.WRITER_ID: self.writer_id, K.CHECKPOINT_ID: str(checkpoint_id)}
-        rows = batch.rejected.append_column("writer_id", pa.array([self.writer_id] * count, pa.string())).append_column(
+        rows = rejected.append_column("writer_id", pa.array([self.writer_id] * count, pa.string())).append_column(
             "checkpoint_id", pa.array([checkpoint_id] * count, pa.int64())
         )
         for name, data_type in _KAFKA_POSITION.items():  # where a Kafka message came from; null for other sources
@@ -328,12 +362,12 @@ class CdcWriter:
         """The progress stream of a batch: the writer's own, or `<writer id>/<partition>` (a Kafka topic partition)."""
         return self.writer_id if partition is None else f"{self.writer_id}/{partition}"
 
-    def _partition_streams(self, streams: dict[str, Stream], clock_us: int) -> dict[str, str]:
+    def _partition_streams(self, streams: dict[str, Stream], source_streams: tuple[str, ...], clock_us: int) -> dict[str, str]:
         """Stream entries a partition's checkpoint adds: every partition the source reads now holds the
         watermark from its first checkpoint on (one that delivers nothing holds it until it is idle), and
         the writer's own stream, which its partitions replace, is retired."""
         entries: dict[str, str] = {}
-        for stream_id in self._source_streams:
+        for stream_id in source_streams:
             known = streams.get(stream_id)
             if known is None or known.retired:
                 fresh = Stream(stream_id, self.writer_id, None, clock_us) if known is None else replace(known, retired=False, seen_us=clock_us)
@@ -414,50 +448,108 @@ class CdcWriter:
         The source must read the history the table recorded (its identity, checked first:
         SourceMismatch names the table's current source); each checkpoint records it again.
         """
-        identifier = self.spec.cdc_identifier
         committed = 0
         on_committed = getattr(source, "on_committed", None)
-        assigned_streams = getattr(source, "assigned_streams", None)
+        self._check_source(source)
+        while True:
+            with closing(self._batches(source, max_records)) as batches:
+                for batch in batches:
+                    try:
+                        result = self.write_checkpoint(batch)
+                    except WriterFenced as fenced:
+                        log.warning("%s", fenced)
+                        break  # read again from the position the other process committed
+                    if result.snapshot_id is None:
+                        continue
+                    if on_committed is not None:
+                        on_committed(batch.offset)
+                    committed += 1
+                    if on_checkpoint is not None:
+                        on_checkpoint(result)
+                    yield result
+                    if max_checkpoints is not None and committed >= max_checkpoints:
+                        return
+                else:
+                    self._ledger.flush()
+                    return  # the source is exhausted
+
+    def read_checkpoints(self, source: CdcSource, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
+        """Up to `max_checkpoints` batches of the source from this writer's position, prepared for other processes to
+        write (`write_share`) and a writer to commit in order after `expect_position(self.position)`.
+
+        Batches with nothing to commit (no record, no reject, no heartbeat) are left out, as `run` skips them.
+        """
+        self._check_source(source)
+        prepared: list[PreparedCheckpoint] = []
+        with closing(self._batches(source, max_records)) as batches:
+            for batch in batches:
+                if batch.records.num_rows or batch.rejected.num_rows or batch.heartbeat is not None:
+                    prepared.append(self.prepare(batch))
+                if len(prepared) >= max_checkpoints:
+                    break
+        return prepared
+
+    def _check_source(self, source: CdcSource) -> None:
+        """The source must read the history the table recorded for this writer (SourceMismatch names the table's)."""
         recorded = recorded_source(self.table.metadata, self.writer_id)  # each writer id reads a source of its own
-        self.source_identity = check_source(identifier, recorded, source, self.resume_offset)
+        self.source_identity = check_source(self.spec.cdc_identifier, recorded, source, self.resume_offset)
+
+    def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
+        """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
+        assigned_streams = getattr(source, "assigned_streams", None)
+        batches = source.batches(self.resume_offset, max_records)
         try:
-            while True:
-                batches = source.batches(self.resume_offset, max_records)
-                try:
-                    for batch in batches:
-                        self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
-                        if assigned_streams is not None:  # the partitions it reads now: each a progress stream
-                            self._source_streams = tuple(self.stream_id(p) for p in assigned_streams())
-                        try:
-                            result = self.write_checkpoint(batch)
-                        except WriterFenced as fenced:
-                            log.warning("%s", fenced)
-                            break  # read again from the position the other process committed
-                        if result.snapshot_id is None:
-                            continue
-                        if on_committed is not None:
-                            on_committed(batch.offset)
-                        committed += 1
-                        if on_checkpoint is not None:
-                            on_checkpoint(result)
-                        yield result
-                        if max_checkpoints is not None and committed >= max_checkpoints:
-                            return
-                    else:
-                        self._ledger.flush()
-                        return  # the source is exhausted
-                finally:
-                    close = getattr(batches, "close", None)  # a generator: run its cleanup now, not at garbage collection
-                    if close is not None:
-                        close()
+            for batch in batches:
+                self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known
+                if assigned_streams is not None:  # the partitions it reads now: each a progress stream
+                    self._source_streams = tuple(self.stream_id(p) for p in assigned_streams())
+                yield batch
         except SourceChanged as exc:
             raise SourceChanged(
-                f"{identifier} cannot go on reading {self.source_identity.spec}: {exc}. Restore what it was reading, "
-                "or ingest the new source into a new table"
+                f"{self.spec.cdc_identifier} cannot go on reading {self.source_identity.spec}: {exc}. Restore what it was "
+                "reading, or ingest the new source into a new table"
             ) from None
+        finally:
+            close = getattr(batches, "close", None)  # a generator: run its cleanup now, not at garbage collection
+            if close is not None:
+                close()
 
 
 _KAFKA_POSITION = {"kafka_topic": pa.string(), "kafka_partition": pa.int32(), "kafka_offset": pa.int64()}
+
+
+def write_share(table: Table, share: pa.Table, accumulators: Sequence[type[Accumulator]],
+                file_pool: ThreadPoolExecutor | None = None) -> WrittenShare:
+    """Write one share of a checkpoint as data files of `table` (not committed) and run the accumulators over it.
+
+    Runs in any process that can load the table (a writer subtask's thread, a Dagster step). With a
+    `file_pool`, PyIceberg's Parquet write (mostly outside the GIL) runs on it beside the accumulators.
+    If anything fails, the files written are deleted before the error propagates.
+    """
+    if not share.num_rows:
+        return WrittenShare([], _accumulate(share, accumulators))
+    if not accumulators:
+        return WrittenShare(list(write_data_files(table, share)), {})
+    written = file_pool.submit(_written_files, table, share) if file_pool is not None else None
+    try:
+        partials = _accumulate(share, accumulators)
+        data_files = written.result() if written is not None else list(write_data_files(table, share))
+    except BaseException:
+        if written is not None and written.exception() is None:  # this share will not commit: remove what was written beside
+            delete_files(table.io, [f.file_path for f in written.result()])
+        raise
+    return WrittenShare(data_files, partials)
+
+
+def _written_files(table: Table, share: pa.Table) -> list[DataFile]:
+    return list(write_data_files(table, share))
+
+
+def _accumulate(share: pa.Table, accumulators: Sequence[type[Accumulator]]) -> dict[str, Any]:
+    instances = [acc() for acc in accumulators]
+    for accumulator in instances:
+        accumulator.add(share)
+    return {a.name: a.partial() for a in instances}
 
 
 def route_by_key(records: pa.Table, subtasks: int) -> list[pa.Table]:

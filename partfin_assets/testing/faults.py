@@ -33,3 +33,9 @@ def fail_once(table: str, partition_key: str, home: Path) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text("failed once\n")
     raise RuntimeError(f"injected failure for {spec} (PARTFIN_FAIL_ONCE)")
+
+
+def fail_point(name: str) -> None:
+    """Failure tests: PARTFIN_FAIL_AT=<name> raises at point <name>, in every process that passes it."""
+    if os.environ.get("PARTFIN_FAIL_AT") == name:
+        raise RuntimeError(f"injected failure at {name} (PARTFIN_FAIL_AT)")

@@ -14,9 +14,9 @@ run is retried whole from a fresh plan (`dagster/retry_strategy: ALL_STEPS`).
 
 from dataclasses import dataclass
 
-from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, job, multiprocess_executor, op
+from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, op
 
-from partfin_assets.defs.platform.upsert_fanout import DEFAULT_MAX_GROUPS, FORKSERVER
+from partfin_assets.defs.platform.fanout import DEFAULT_MAX_GROUPS, fanout_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_table_if_exists
@@ -94,13 +94,12 @@ def build_compaction_fanout_job(table: PartfinTable, *, max_concurrent: int = 2)
             result = commit_compaction(job_, compaction, rewritten)
         context.log.info(result.describe())
 
-    @job(
-        name=f"compact_{name}_fanout",
-        executor_def=multiprocess_executor,
-        config={"execution": {"config": {"max_concurrent": max_concurrent, "start_method": FORKSERVER}}},
-        description=f"Compaction of base.{name}, one step per group of buckets, then one MERGE commit: the scale-out "
+    @fanout_job(
+        f"compact_{name}_fanout",
+        f"Compaction of base.{name}, one step per group of buckets, then one MERGE commit: the scale-out "
         f"form of compact_{name}'s base step (swap the executor for k8s_job_executor / celery_executor in production).",
-        tags={"partfin/table": name, "partfin/maintenance": name, "dagster/max_retries": "3", "dagster/retry_strategy": "ALL_STEPS"},
+        {"partfin/table": name, "partfin/maintenance": name},
+        max_concurrent=max_concurrent,
     )
     def compaction_job():
         commit(plan().map(rewrite).collect())

@@ -31,6 +31,7 @@ from dagster import (
     DagsterRunStatus,
     MaterializeResult,
     MetadataValue,
+    OpExecutionContext,
     RunRequest,
     RunsFilter,
     SensorEvaluationContext,
@@ -53,7 +54,7 @@ from partfin_assets.iceberg.catalog import CatalogConfig
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
-from partfin_assets.ingest.writer import CdcWriter
+from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.errors import first_line
@@ -211,31 +212,38 @@ def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, icebe
     )
     watermark_before = watermark_of(writer.table.properties)
     touched: set[int] = set()
-    source = None
     checkpoints = 0
     try:
-        with cdc_source.redacted():  # a source may fail with its DSN in the message
-            source = cdc_source.open(table)
+        with cdc_source.reading(table) as source:
             started = time.monotonic()
             for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
                 checkpoints += 1
                 if time.monotonic() - started > cdc_source.max_seconds_per_run:
                     context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
                     break
-                if result.snapshot_id is None:
-                    continue
-                snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
-                committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
-                hours = [h.hour_us for h in checkpoint_hours(result.summary)]
-                touched.update(hours)
-                # per-commit facts: a table-level time series (the hours show their totals below)
-                context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
-                    **checkpoint_facts(result.summary, committed_at), "snapshot_id": result.snapshot_id, "hours_touched": len(hours)}))
+                if result.snapshot_id is not None:
+                    touched.update(report_checkpoint(context, table, writer, result))
     finally:
         writer.close()  # records the pending checkpoints in the ledger
-        close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
-        if close is not None:
-            close()
+    report_ingest(context, table, iceberg, writer, watermark_before, touched, checkpoints)
+
+
+def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, writer: CdcWriter,
+                      result: CheckpointResult) -> list[int]:
+    """One observation on cdc/<table> per committed checkpoint (a table-level time series; the hours show their
+    totals at the end of the run): the hours it touched."""
+    snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
+    committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
+    hours = [h.hour_us for h in checkpoint_hours(result.summary)]
+    context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
+        **checkpoint_facts(result.summary, committed_at), "snapshot_id": result.snapshot_id, "hours_touched": len(hours)}))
+    return hours
+
+
+def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, iceberg, writer: CdcWriter,
+                  watermark_before: int | None, touched: set[int], checkpoints: int) -> None:
+    """After a run's checkpoints: every hour they touched or finalized with the hour's totals, the table's watermark
+    and late data, and the cdc checks."""
     watermark = watermark_of(writer.table.properties)
     now_us = to_us(now_utc())
     ledger = read_ledger(iceberg, table.spec.cdc_identifier)

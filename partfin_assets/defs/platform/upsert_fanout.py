@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import polars as pl
-from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, Out, Output, job, multiprocess_executor, op
+from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, Out, Output, op
 
+from partfin_assets.defs.platform.fanout import DEFAULT_MAX_GROUPS, fanout_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_existing_table
@@ -35,13 +36,6 @@ from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.jobs.upsert.run import result_of
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
-
-
-# Step processes fork from a server that has imported partfin and Dagster once, instead of each
-# starting a fresh interpreter (seconds per step on a busy machine). They keep the environment the
-# server started with: one per run worker, so one per run under Dagster; `{"spawn": {}}` otherwise.
-DEFAULT_MAX_GROUPS = 8  # a few steps per process: balanced, each worth its start-up
-FORKSERVER = {"forkserver": {"preload_modules": ["partfin_assets.defs.platform.upsert_fanout"]}}
 
 
 class FanoutConfig(Config):
@@ -135,13 +129,12 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         )
         context.log.info(result.describe())
 
-    @job(
-        name=f"upsert_{name}_fanout",
-        executor_def=multiprocess_executor,
-        config={"execution": {"config": {"max_concurrent": max_concurrent, "start_method": FORKSERVER}}},
-        description=f"Upsert of cdc.{name} into base.{name}, one step per key group, then one commit: the scale-out "
+    @fanout_job(
+        f"upsert_{name}_fanout",
+        f"Upsert of cdc.{name} into base.{name}, one step per key group, then one commit: the scale-out "
         "form of the sync job's upsert (swap the executor for k8s_job_executor / celery_executor in production).",
-        tags={"partfin/table": name, "dagster/max_retries": "3", "dagster/retry_strategy": "ALL_STEPS"},
+        {"partfin/table": name},
+        max_concurrent=max_concurrent,
     )
     def upsert_job():
         run, groups = plan()
