@@ -148,12 +148,15 @@ def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int
         finalized_at.update({h: committed_at for h in newly_final})
         found = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
         truths = {t.hour_us: t for t in found}
+        checks = _checks(context, table, iceberg, "base")
         _log_hours(context, table, table.base_key, [t for t in found if t.hour_us not in skip_hours], to_us(now_utc()), {
             "watermark": _iso(watermark),
             "base_snapshot_id": result.base_snapshot_id,
             "cdc_snapshot_id": result.cdc_snapshot_id,
         })
-    _log_checks(context, table, iceberg, "base")
+        _log_events(context, checks)
+    else:
+        _log_events(context, _checks(context, table, iceberg, "base"))
     return truths
 
 
@@ -182,10 +185,15 @@ def _log_hours(context: AssetExecutionContext, table: PartfinTable, asset_key, t
     return logged
 
 
-def _log_checks(context: AssetExecutionContext, table: PartfinTable, iceberg, layer: str) -> None:
-    """The layer's checks, evaluated in this run after its materializations (metadata and ledger only)."""
-    for evaluation in sync_check_evaluations(table, iceberg, context.instance, layer):
-        context.log_event(evaluation)
+def _checks(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, iceberg, layer: str) -> list:
+    """The layer's checks after this run's commits (metadata and ledger only). Evaluated before the run logs its
+    materializations and logged right after them, so a page never shows a new materialization without its checks."""
+    return sync_check_evaluations(table, iceberg, context.instance, layer)
+
+
+def _log_events(context: AssetExecutionContext | OpExecutionContext, events: list) -> None:
+    for event in events:
+        context.log_event(event)
 
 
 def _previous_finalized_at(context: AssetExecutionContext, key, hours: list[int]) -> dict[int, int]:
@@ -248,8 +256,7 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
     now_us = to_us(now_utc())
     ledger = read_ledger(iceberg, table.spec.cdc_identifier)
     hours = touched | set(newly_final_hours(watermark_before, watermark, table.start_us))
-    logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us, {"watermark": _iso(watermark)})
-    context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
+    checks = _checks(context, table, iceberg, "cdc")
     late = late_by_hour_of(ledger)  # the ledger, as the late_data check and `partfin status`
     context.log_event(
         AssetObservation(
@@ -263,7 +270,9 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
             },
         )
     )
-    _log_checks(context, table, iceberg, "cdc")
+    logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us, {"watermark": _iso(watermark)})
+    _log_events(context, checks)
+    context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
 
 
 def refresh_report(context: AssetExecutionContext, table: PartfinTable, iceberg, catalog: IcebergCatalogResource) -> None:
