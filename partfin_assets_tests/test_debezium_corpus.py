@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import os
+import subprocess
 import struct
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time
@@ -32,14 +33,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _corpus_dir() -> Path | None:
-    """`../shared/debezium-corpus` next to the repository (a worktree may sit one level deeper)."""
+    """`../shared/debezium-corpus` next to the repository (a worktree may sit one level deeper), or next to the local
+    repository this one was cloned from (a clone in a temporary directory, `git clone -q . "$(mktemp -d)"`)."""
     configured = os.environ.get("PARTFIN_DEBEZIUM_CORPUS")
     if configured:
         return Path(configured)
-    for parent in REPO_ROOT.parents:
-        candidate = parent / "shared" / "debezium-corpus"
-        if candidate.is_dir():
-            return candidate
+    roots = [REPO_ROOT]
+    origin = subprocess.run(["git", "-C", str(REPO_ROOT), "config", "--get", "remote.origin.url"], capture_output=True, text=True)
+    if origin.returncode == 0 and Path(origin.stdout.strip()).is_dir():
+        roots.append(Path(origin.stdout.strip()).resolve())
+    for root in roots:
+        for parent in root.parents:
+            candidate = parent / "shared" / "debezium-corpus"
+            if candidate.is_dir():
+                return candidate
     return None
 
 
