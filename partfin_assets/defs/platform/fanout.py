@@ -13,6 +13,8 @@ from dagster import job, multiprocess_executor
 FORKSERVER = {"forkserver": {"preload_modules": [
     "partfin_assets.defs.platform.upsert_fanout", "partfin_assets.defs.platform.compaction_fanout",
     "partfin_assets.defs.platform.ingest_fanout",
+    "dagster._core.storage.base_storage", "dagster._core.secrets.env_file", "upath.core", "upath.implementations.local",
+    "pyiceberg_core.transform", "pyarrow.acero",
 ]}}
 DEFAULT_MAX_GROUPS = 8  # a few steps per process: balanced, each worth its start-up
 RETRIED_WHOLE = {"dagster/max_retries": "3", "dagster/retry_strategy": "ALL_STEPS"}
