@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from dagster import Definitions, execute_job, reconstructable
 
@@ -69,6 +70,41 @@ def test_fanned_out_upsert_equals_the_in_process_one(tmp_path: Path, instance):
     assert ok and len(h.base().metadata.snapshots) == before + 1
 
 
+def test_changes_that_do_not_fit_are_quarantined_as_the_in_process_upsert_does(tmp_path: Path, instance):
+    """The fan-out decodes keys in its plan step and payloads in each group's step; the quarantine must not tell:
+    the same rows, reasons and order as `partfin upsert`'s, and the same base rows."""
+    good = random_changes(np.random.default_rng(11), 300, 1, 100, 0)
+    bad_payload = {7: {"id": 7, "amount": "lots", "status": "x"}, 8: {"id": 8, "amount": 1.0}, 9: {"id": 99, "amount": 1.0, "status": "y"}}
+
+    def payload(c):
+        return json.dumps(bad_payload.get(c[3] - 10_000) or {"id": c[0], "amount": c[4], "status": f"s{c[3]}"})
+
+    odd = [(k, "u", 200 + k, 10_000 + k, float(k)) for k in range(1, 13)]
+    batch = records(good + odd, payload=payload)
+    ops, keys = batch.column("op").to_pylist(), batch.column("key").to_pylist()
+    ops[len(good) + 2] = "x"  # unknown operation
+    keys[len(good) + 4] = "not json"  # a key that does not decode
+    batch = batch.set_column(1, batch.schema.field("op"), pa.array(ops, pa.string()))
+    batch = batch.set_column(0, batch.schema.field("key"), pa.array(keys, pa.string()))
+
+    homes = {"in process": tmp_path / "one", "fanned out": tmp_path / "two"}
+    harnesses = {how: Harness(home) for how, home in homes.items()}
+    for h in harnesses.values():
+        ensure_base_table(h.catalog, SPEC, buckets=4)  # the odd changes fall in several groups
+        h.write(table=batch)
+    run_upsert(harnesses["in process"].catalog, "orders")
+    ok, _ = run_fanout(instance, homes["fanned out"])
+    assert ok
+
+    quarantined = {how: h.catalog.load_table(SPEC.quarantine_identifier).scan().to_arrow().drop_columns(["cdc_snapshot_id"])
+                   for how, h in harnesses.items()}
+    assert quarantined["in process"].num_rows == 5
+    assert quarantined["fanned out"].to_pylist() == quarantined["in process"].to_pylist()
+    assert harnesses["fanned out"].live() == harnesses["in process"].live()
+    summaries = {how: summary_of(h.base().current_snapshot()) for how, h in harnesses.items()}
+    assert summaries["fanned out"][K.UPSERT_QUARANTINED] == summaries["in process"][K.UPSERT_QUARANTINED] == "5"
+
+
 def test_a_run_with_no_group_to_merge_still_moves_base_to_the_cdc_snapshot(tmp_path: Path, instance):
     """New CDC snapshots whose only change is quarantined, or that carry heartbeats only, leave no key group to merge.
     The run must still commit base's position and watermark, as `partfin upsert` does; else base's watermark freezes
@@ -111,7 +147,7 @@ def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instanc
     from partfin_assets.jobs.conflicts import CommitConflictError
     from partfin_assets.jobs.job import Job, StagedFiles
     from partfin_assets.jobs.upsert.commit import commit_merge
-    from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
+    from partfin_assets.jobs.upsert.decode import decode_keys
     from partfin_assets.jobs.upsert.merge import merge_group, split_by_group
     from partfin_assets.jobs.upsert.plan import GroupFiles, plan_upsert
     from partfin_assets.iceberg.files import read_files
@@ -121,7 +157,7 @@ def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instanc
     ensure_base_table(catalog, SPEC)
     started = Job.start(catalog, "base.orders", JobKind.UPDATE_DELETE)
     plan = plan_upsert(catalog, SPEC, started.table)
-    by_group = split_by_group(plan, latest_per_log(SPEC, decode_changes(SPEC, read_files(plan.cdc, plan.cdc_files))[0]))
+    by_group = split_by_group(plan, decode_keys(SPEC, read_files(plan.cdc, plan.cdc_files))[0])
     staged = StagedFiles(catalog.load_table("base.orders"))
     merges = [merge_group(started.table, SPEC, plan.layout.get(g, GroupFiles(g, [])), c, staged) for g, c in by_group.items()]
     run_upsert(catalog, "orders")  # wins the race

@@ -1,9 +1,11 @@
 """`upsert_<table>_fanout`: the upsert as one Dagster run that fans out, one step per key group, then one commit step.
 
-plan (decode the new CDC changes, group them and base's files by bucket mod G) -> one
-`merge_group` step per group (locate old versions, write new versions and delete files:
-jobs/upsert/merge.py) -> `commit` (one UPDATE/DELETE commit of every group's files: the same
-conflict matrix and exactly-once position as `partfin upsert`). The steps hand each other
+plan (decode the new CDC changes' keys, group them and base's files by bucket mod G) -> one
+`merge_group` step per group (decode its payloads, locate old versions, write new versions and
+delete files: jobs/upsert/merge.py) -> `commit` (quarantine what did not fit, then one
+UPDATE/DELETE commit of every group's files: the same conflict matrix and exactly-once position
+as `partfin upsert`). Only the plan and the commit are serial: the payload decode, the larger
+part of decoding, runs in the groups' steps. The steps hand each other
 picklable values through the run's IO manager, and group steps write their files to the table's
 storage, so the same job runs on `multiprocess_executor` here (the default, `max_concurrent`
 processes) and on `k8s_job_executor` / `celery_executor` with an object-store warehouse and an
@@ -17,7 +19,7 @@ ALL_STEPS`), since re-committing the same groups could only conflict again.
 from dataclasses import dataclass
 from typing import Optional
 
-import polars as pl
+import pyarrow as pa
 from dagster import Config, DynamicOut, DynamicOutput, OpExecutionContext, Out, Output, op
 
 from partfin_assets.defs.platform.fanout import DEFAULT_MAX_GROUPS, fanout_job
@@ -29,8 +31,8 @@ from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Job, JobStart, StagedFiles
 from partfin_assets.jobs.upsert import sync_merged_tag
 from partfin_assets.jobs.upsert.commit import commit_merge
-from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
-from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group
+from partfin_assets.jobs.upsert.decode import KeyedRows, decode_keys, unfit_in_cdc_order
+from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group, touched_groups
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.jobs.upsert.run import result_of
@@ -53,16 +55,16 @@ class RunPlan:
     start: JobStart
     plan: MergePosition
     changes_read: int
-    quarantined: int
+    unfit_keys: pa.Table  # the changes whose operation or key does not fit; the groups find the unfit payloads
 
 
 @dataclass(frozen=True)
 class GroupTask:
-    """One group's share of an upsert run: its files at the start snapshot and its winning changes."""
+    """One group's share of an upsert run: its files at the start snapshot and its keyed CDC rows."""
 
     plan: MergePosition
     files: GroupFiles
-    changes: pl.DataFrame
+    keyed: KeyedRows
 
 
 def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
@@ -82,50 +84,49 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
             context.log.info(f"base.{name} is up to date with cdc.{name}: nothing to merge")
             yield Output(None, "run")
             return
-        changes, unfit = decode_changes(spec, read_files(upsert_plan.cdc, upsert_plan.cdc_files))
-        quarantine_changes(iceberg, spec, unfit, upsert_plan.cdc_snapshot.snapshot_id)
-        by_group = split_by_group(upsert_plan, latest_per_log(spec, changes))
-        context.log.info(f"{changes.height} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
-        yield Output(RunPlan(job_.started, upsert_plan.position, changes.height + unfit.num_rows, unfit.num_rows), "run")
-        for group, group_changes in sorted(by_group.items()):
+        raw = read_files(upsert_plan.cdc, upsert_plan.cdc_files)
+        keyed, unfit_keys = decode_keys(spec, raw)
+        by_group = split_by_group(upsert_plan, keyed)
+        context.log.info(f"{raw.num_rows} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
+        yield Output(RunPlan(job_.started, upsert_plan.position, raw.num_rows, unfit_keys), "run")
+        for group, group_rows in sorted(by_group.items()):
             files = upsert_plan.layout.get(group, GroupFiles(group, []))
-            yield DynamicOutput(GroupTask(upsert_plan.position, files, group_changes), output_name="groups", mapping_key=f"group_{group}")
+            yield DynamicOutput(GroupTask(upsert_plan.position, files, group_rows), output_name="groups", mapping_key=f"group_{group}")
 
     @op(name=f"merge_group_{name}", tags={"kind": "iceberg"})
-    def merge(context: OpExecutionContext, catalog: IcebergCatalogResource, task: GroupTask) -> tuple[GroupTask, GroupMerge]:
-        """Locate, decide and write one group's files (not committed: the commit step commits or deletes them)."""
+    def merge(context: OpExecutionContext, catalog: IcebergCatalogResource, task: GroupTask) -> GroupMerge:
+        """Decode, locate, decide and write one group's files (not committed: the commit step commits or deletes them)."""
         iceberg = catalog.load()
         base = iceberg.load_table(task.plan.spec.base_identifier)
         staged = StagedFiles(base)
         try:
-            result = merge_group(base, task.plan.spec, task.files, task.changes, staged)
+            result = merge_group(base, task.plan.spec, task.files, task.keyed, staged)
         except BaseException:
             staged.discard()
             raise
         context.log.info(
             f"group {task.files.group}: {result.inserted} inserted, {result.updated} updated, {result.deleted} deleted, "
-            f"{result.stale} stale; key columns of {result.files_scanned} file(s) read; +{len(result.add)} -{len(result.remove)} files"
+            f"{result.stale} stale, {result.unfit.num_rows} not fitting; key columns of {result.files_scanned} file(s) read; +{len(result.add)} -{len(result.remove)} files"
         )
-        return task, result
+        return result
 
     @op(name=f"commit_upsert_{name}", tags={"kind": "iceberg"})
-    def commit(
-        context: OpExecutionContext, catalog: IcebergCatalogResource, run: Optional[RunPlan], groups: list[tuple[GroupTask, GroupMerge]]
-    ) -> None:
-        """One commit for every group (none: base's position and watermark); on a conflict every group's files are deleted
-        and the run fails (retried whole)."""
+    def commit(context: OpExecutionContext, catalog: IcebergCatalogResource, run: Optional[RunPlan], groups: list[GroupMerge]) -> None:
+        """Quarantine what did not fit, then one commit for every group (none: base's position and watermark); on a
+        conflict every group's files are deleted and the run fails (retried whole)."""
         if run is None:
             context.log.info("nothing new in the CDC table: nothing to commit")
             return
         iceberg = catalog.load()
+        unfit = unfit_in_cdc_order([run.unfit_keys, *(m.unfit for m in groups)])
         job_ = Job.resume(iceberg, run.plan.spec.base_identifier, JobKind.UPDATE_DELETE, run.start)
-        merges = [m for _, m in groups]
         with job_:
-            job_.adopt(f for m in merges for f in m.add)
-            committed = commit_merge(job_, run.plan, merges, [t.files.group for t, _ in groups], quarantined=run.quarantined)
+            job_.adopt(f for m in groups for f in m.add)
+            quarantine_changes(iceberg, run.plan.spec, unfit, run.plan.cdc_snapshot_id)  # before base moves past these changes
+            committed = commit_merge(job_, run.plan, groups, touched_groups(groups), quarantined=unfit.num_rows)
         sync_merged_tag(iceberg, name)
         result = result_of(
-            run.plan, merges, job_.table.metadata, committed.snapshot_id, run.changes_read, committed.attempts, quarantined=run.quarantined,
+            run.plan, groups, job_.table.metadata, committed.snapshot_id, run.changes_read, committed.attempts, quarantined=unfit.num_rows,
         )
         context.log.info(result.describe())
 

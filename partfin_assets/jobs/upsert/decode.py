@@ -1,12 +1,17 @@
 """Upsert step 2, decode: CDC rows -> typed change rows, then the latest change per primary key and change log.
 
-Keys and payloads are decoded into the declared typed columns (jobs/upsert/payload.py). A change
-that does not fit (an unknown op, a key or payload that does not decode, a payload whose key
-columns disagree with its key) is set aside with its reason for the quarantine
-(jobs/upsert/quarantine.py); the other changes merge as if it were not there.
+Keys and payloads are decoded into the declared typed columns (jobs/upsert/payload.py) in two
+steps: the keys once for the run (`decode_keys`, enough to route each change to its key group),
+the payloads per key group (`decode_payloads`, in the group's own step when the upsert fans out:
+the larger part of the decode runs in parallel). A change that does not fit (an unknown op, a key
+or payload that does not decode, a payload whose key columns disagree with its key) is set aside
+with its reason for the quarantine (jobs/upsert/quarantine.py), in CDC order whichever step found
+it; the other changes merge as if it were not there.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -14,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
-from partfin_assets.jobs.upsert.payload import decode_columns
+from partfin_assets.jobs.upsert.payload import Unfit, decode_columns
 from partfin_assets.model.records import SOURCE_LOG as CDC_SOURCE_LOG
 from partfin_assets.model.records import with_source_log
 from partfin_assets.model.tablespec import TableSpec
@@ -22,45 +27,60 @@ from partfin_assets.model.tablespec import TableSpec
 OPS_UPSERT = ("c", "u", "r")
 OP_DELETE = "d"
 CHANGE_COLUMNS = ["key", "op", "event_time", "source_seq", "payload", CDC_SOURCE_LOG]
+CDC_ROW = "cdc_row"  # a change's row in what the run read: the quarantine keeps the CDC order whoever decoded it
 
 
-def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Table]:
-    """CDC rows -> (typed change rows: declared columns + _event_time, _source_seq, _deleted, _source_log,
-    not yet deduplicated; the CDC rows that do not fit, with `column` and `reason`)."""
-    columns = base_columns(spec)
+@dataclass(frozen=True)
+class KeyedRows:
+    """CDC rows whose operation is known and whose key decodes: each row's typed primary key (`keys`) beside the row
+    itself (`rows`: CHANGE_COLUMNS and CDC_ROW). Enough to route a change to its key group; payloads are decoded there."""
+
+    keys: pl.DataFrame
+    rows: pa.Table
+
+    def filter(self, mask: pl.Series) -> KeyedRows:
+        return KeyedRows(self.keys.filter(mask), self.rows.filter(pa.array(mask.to_numpy())))
+
+
+def decode_keys(spec: TableSpec, raw: pa.Table) -> tuple[KeyedRows, pa.Table]:
+    """Step 2a, CDC rows -> the rows with a known operation and a key that decodes; the others, with `column` and `reason`."""
     pk = list(spec.primary_key)
+    columns = base_columns(spec)
     raw = with_source_log(raw, None).select(CHANGE_COLUMNS)  # a table written before partfin kept the log: unknown
+    raw = raw.append_column(CDC_ROW, pa.array(np.arange(raw.num_rows), pa.int64()))
     unfit: dict[int, tuple[str | None, str]] = {}  # CDC row -> (column, reason)
-
-    def set_aside(rows: np.ndarray, found, prefix: str = "") -> np.ndarray:
-        """Record the unfit among `rows` (indexes into raw); the rows that remain."""
-        for u in found:
-            unfit[int(rows[u.index])] = (u.column, prefix + u.reason)
-        return np.delete(rows, [u.index for u in found])
-
     rows = np.arange(raw.num_rows)
     ops = raw.column("op")
     known_op = pc.is_in(ops, pa.array([*OPS_UPSERT, OP_DELETE])).to_numpy(zero_copy_only=False)
     for row in rows[~known_op]:
         unfit[int(row)] = ("op", f"unknown CDC operation {ops[int(row)].as_py()!r}")
     rows = rows[known_op]
+    key_values, bad_keys = decode_columns(raw.column("key").take(rows), {c: columns[c] for c in pk}, pk)
+    rows = _set_aside(rows, bad_keys, unfit, "key: ")
+    keys = pl.from_arrow(key_values)
+    assert isinstance(keys, pl.DataFrame)
+    return KeyedRows(keys, raw.take(rows)), _unfit_rows(raw, unfit)
 
-    keys = raw.column("key").take(rows)
-    key_values, bad_keys = decode_columns(keys, {c: columns[c] for c in pk}, pk)
-    rows = set_aside(rows, bad_keys, "key: ")
-    key_values = pl.from_arrow(key_values)
 
-    is_delete = (pc.equal(raw.column("op").take(rows), OP_DELETE)).to_numpy(zero_copy_only=False)
+def decode_payloads(spec: TableSpec, keyed: KeyedRows) -> tuple[pl.DataFrame, pa.Table]:
+    """Step 2b, keyed CDC rows -> typed change rows (declared columns + _event_time, _source_seq, _deleted, _source_log,
+    not yet deduplicated); the rows whose after-image does not fit, with `column` and `reason`."""
+    columns = base_columns(spec)
+    pk = list(spec.primary_key)
+    raw = keyed.rows
+    unfit: dict[int, tuple[str | None, str]] = {}  # row of `raw` -> (column, reason)
+    rows = np.arange(raw.num_rows)
+    is_delete = pc.equal(raw.column("op"), OP_DELETE).to_numpy(zero_copy_only=False)
     upsert_rows = rows[~is_delete]
     values, bad_payloads = decode_columns(raw.column("payload").take(upsert_rows), columns, pk)
-    upsert_key_values = key_values.filter(pl.Series(~is_delete))
+    upsert_key_values = keyed.keys.filter(pl.Series(~is_delete))
     if bad_payloads:
         kept = np.ones(len(upsert_rows), dtype=bool)
         kept[[u.index for u in bad_payloads]] = False
         upsert_key_values = upsert_key_values.filter(pl.Series(kept))
-        upsert_rows = set_aside(upsert_rows, bad_payloads)
+        upsert_rows = _set_aside(upsert_rows, bad_payloads, unfit)
     values = pl.from_arrow(values)
-    assert isinstance(values, pl.DataFrame) and isinstance(key_values, pl.DataFrame)
+    assert isinstance(values, pl.DataFrame)
     # The after-image must describe the row its key names.
     disagree = np.zeros(values.height, dtype=bool)
     for c in pk:
@@ -71,12 +91,30 @@ def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Tab
     values = values.filter(pl.Series(~disagree))
     upsert_rows = upsert_rows[~disagree]
 
-    delete_rows = rows[is_delete]
     upserts = pl.concat([values, _meta(raw, upsert_rows)], how="horizontal")
-    deletes = pl.concat([key_values.filter(pl.Series(is_delete)), _meta(raw, delete_rows)], how="horizontal")
+    deletes = pl.concat([keyed.keys.filter(pl.Series(is_delete)), _meta(raw, rows[is_delete])], how="horizontal")
     empty = pl.DataFrame(schema={**{c: pl.from_arrow(pa.array([], t)).dtype for c, t in columns.items()}, **_meta(raw, rows[:0]).schema})
     changes = pl.concat([empty, upserts, deletes], how="diagonal_relaxed")
     return changes, _unfit_rows(raw, unfit)
+
+
+def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Table]:
+    """Steps 2a and 2b in one go: CDC rows -> typed change rows (not yet deduplicated), the unfit in CDC order."""
+    keyed, unfit_keys = decode_keys(spec, raw)
+    changes, unfit_payloads = decode_payloads(spec, keyed)
+    return changes, unfit_in_cdc_order([unfit_keys, unfit_payloads])
+
+
+def unfit_in_cdc_order(parts: list[pa.Table]) -> pa.Table:
+    """The unfit rows set aside by the decode steps (keys in one place, payloads per key group), in CDC order."""
+    return pa.concat_tables(parts).sort_by(CDC_ROW)
+
+
+def _set_aside(rows: np.ndarray, found: list[Unfit], unfit: dict[int, tuple[str | None, str]], prefix: str = "") -> np.ndarray:
+    """Record the unfit among `rows` (indexes into the decoded table) in `unfit`; the rows that remain."""
+    for u in found:
+        unfit[int(rows[u.index])] = (u.column, prefix + u.reason)
+    return np.delete(rows, [u.index for u in found])
 
 
 def _meta(raw: pa.Table, rows: np.ndarray) -> pl.DataFrame:

@@ -1,6 +1,7 @@
 """Upsert step 3, merge one key group, merge-on-read: the winning changes against the old versions of their keys.
 
-For a group (the buckets `bucket mod G == g`): locate the live old version of every changed key
+For a group (the buckets `bucket mod G == g`): decode its changes' payloads (jobs/upsert/decode.py;
+the ones that do not fit are returned for the quarantine), keep the latest per key and change log, locate the live old version of every changed key
 (jobs/upsert/locate.py: key and ordering columns only, key-range-pruned files), rank each key's
 changes (one per change log) from where their log stood in the base row, and decide last-writer-wins
 per key (jobs/upsert/decode.py `ORDER_KEY`, `newer_than_base`), then
@@ -33,7 +34,7 @@ from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, META_COLUMNS, ORDER_TIME, SOURCE_LOG, SOURCE_SEQ, base_columns
 from partfin_assets.jobs.job import StagedFiles
-from partfin_assets.jobs.upsert.decode import ORDER_KEY, newer_than_base
+from partfin_assets.jobs.upsert.decode import ORDER_KEY, KeyedRows, decode_payloads, latest_per_log, newer_than_base
 from partfin_assets.jobs.upsert.locate import FILE, POS, candidate_files, change_floors, old_versions
 from partfin_assets.jobs.upsert.plan import GroupFiles, PartitionFiles, UpsertPlan
 from partfin_assets.model.tablespec import TableSpec
@@ -49,9 +50,11 @@ class GroupMerge:
     """What merging one key group produced (not committed)."""
 
     group: int
+    unfit: pa.Table  # the group's changes that do not fit (decode.py): for the quarantine
     add: list[DataFile] = field(default_factory=list)  # new versions and the replacing delete files
     remove: list[DataFile] = field(default_factory=list)  # replaced delete files, folded data files
     targets: list[str] = field(default_factory=list)  # partitions read or written: the job's conflict targets
+    decoded: int = 0  # the group's changes that decoded (every one, before the latest per key and log is kept)
     inserted: int = 0
     updated: int = 0
     deleted: int = 0
@@ -75,26 +78,36 @@ def group_ids(table: Table, spec: TableSpec, groups: int, changes: pl.DataFrame)
     return (pl.Series(GROUP, buckets).cast(pl.Int64) % groups).alias(GROUP)
 
 
-def split_by_group(plan: UpsertPlan, changes: pl.DataFrame) -> dict[int, pl.DataFrame]:
-    """The changes (decode.py `latest_per_log`) of each key group that has any."""
-    tagged = changes.with_columns(group_ids(plan.base, plan.spec, plan.groups, changes))
-    return {int(key[0]): frame.drop(GROUP) for key, frame in tagged.partition_by(GROUP, as_dict=True).items()}
+def split_by_group(plan: UpsertPlan, keyed: KeyedRows) -> dict[int, KeyedRows]:
+    """The keyed CDC rows (decode.py `decode_keys`) of each key group that has any."""
+    groups = group_ids(plan.base, plan.spec, plan.groups, keyed.keys)
+    return {int(g): keyed.filter(groups == g) for g in groups.unique().sort().to_list()}
+
+
+def touched_groups(merges: list[GroupMerge]) -> list[int]:
+    """The groups with a change to merge (commit.py: their buckets are the run's conflict targets)."""
+    return [m.group for m in merges if m.decoded]
 
 
 def merge_group(
     table: Table,
     spec: TableSpec,
     files: GroupFiles,
-    changes: pl.DataFrame,
+    keyed: KeyedRows,
     staged: StagedFiles,
     *,
     max_data_files: int = DEFAULT_MAX_DATA_FILES,
     on_read: Callable[[], None] | None = None,
 ) -> GroupMerge:
-    """Merge the `changes` of one group (the latest per key and change log) into its files (as of the job's start snapshot)."""
+    """Decode and merge the changes of one group (its keyed CDC rows) into its files (as of the job's start snapshot)."""
+    decoded, unfit = decode_payloads(spec, keyed)
+    result = GroupMerge(files.group, unfit=unfit, decoded=decoded.height)
+    if decoded.height == 0:  # every change of the group quarantined: nothing read, nothing to conflict with
+        return result
+    result.targets = list(files.paths)
+    changes = latest_per_log(spec, decoded)
     pk = list(spec.primary_key)
     columns = base_columns(spec)
-    result = GroupMerge(files.group, targets=list(files.paths))
     data = [f for p in files.partitions for f in p.data]
     deleted = positions_by_file(read_positions(table.io, [d for p in files.partitions for d in p.deletes]))
     floors = change_floors(changes, pk)

@@ -1,4 +1,4 @@
-"""One upsert run: plan, decode, merge each key group in turn, commit, as one UPDATE/DELETE job on base.<table>.
+"""One upsert run: plan, decode the keys, merge each key group in turn (its payloads decoded there), commit, as one UPDATE/DELETE job on base.<table>.
 
 A run that loses a race raises `CommitConflictError` and leaves nothing behind; running it
 again (the jobs layer's one retry policy, jobs/retry.py) recomputes from fresh data. The Dagster
@@ -18,8 +18,8 @@ from partfin_assets.iceberg.files import partition_path, read_files
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
-from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
-from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group
+from partfin_assets.jobs.upsert.decode import decode_keys, unfit_in_cdc_order
+from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group, touched_groups
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, merged_source_snapshot_id, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.model import summary_keys as K
@@ -120,21 +120,22 @@ def run_upsert(
                 inserted=0, updated=0, deleted=0, watermark=job.table.properties.get(K.PROP_WATERMARK), hours_touched=[],
                 previous_cdc_snapshot_id=source_id,
             )
-        changes, unfit = decode_changes(spec, read_files(plan.cdc, plan.cdc_files))
-        quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)
-        by_group = split_by_group(plan, latest_per_log(spec, changes))
+        raw = read_files(plan.cdc, plan.cdc_files)
+        keyed, unfit_keys = decode_keys(spec, raw)
         merges: list[GroupMerge] = []
-        for group, group_changes in sorted(by_group.items()):
+        for group, group_rows in sorted(split_by_group(plan, keyed).items()):
             files = plan.layout.get(group, GroupFiles(group, []))
             merges.append(merge_group(
-                job.table, spec, files, group_changes, job.staged,
+                job.table, spec, files, group_rows, job.staged,
                 max_data_files=max_data_files, on_read=lambda: _crash("after-read", crash_hook),
             ))
+        unfit = unfit_in_cdc_order([unfit_keys, *(m.unfit for m in merges)])
+        quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)  # before base moves past these changes
         _crash("after-files", crash_hook)
-        committed = commit_merge(job, plan.position, merges, by_group, quarantined=unfit.num_rows)
+        committed = commit_merge(job, plan.position, merges, touched_groups(merges), quarantined=unfit.num_rows)
     _crash("after-commit", crash_hook)
     sync_merged_tag(catalog, name)
-    return result_of(plan.position, merges, job.table.metadata, committed.snapshot_id, changes.height + unfit.num_rows, committed.attempts,
+    return result_of(plan.position, merges, job.table.metadata, committed.snapshot_id, raw.num_rows, committed.attempts,
                      quarantined=unfit.num_rows)
 
 
