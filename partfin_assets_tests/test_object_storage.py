@@ -23,7 +23,7 @@ from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
 from partfin_assets.iceberg.tables import DELETED, SOURCE_SEQ, read_base
 from partfin_assets.jobs.compaction import compact
-from partfin_assets.jobs.upsert.decode import decode_changes, latest_per_log
+from partfin_assets.jobs.upsert.decode import decode_keys, decode_payloads, latest_per_log
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets_tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
@@ -129,8 +129,9 @@ def test_pipeline_end_to_end_on_object_storage(tmp_path: Path, lake: Path, s3: S
     assert not list(lake.rglob("*.parquet")), "no data file on local disk"
 
     spec = TableSpec.from_properties("orders", cdc.properties)
-    changes, unfit = decode_changes(spec, cdc.scan().to_arrow())
-    assert unfit.num_rows == 0
+    keyed, unfit_keys = decode_keys(spec, cdc.scan().to_arrow())
+    changes, unfit_payloads = decode_payloads(spec, keyed)
+    assert unfit_keys.num_rows == unfit_payloads.num_rows == 0
     assert changes.get_column(SOURCE_SEQ).is_unique().all(), "no event twice, whichever writer landed it"
     expected = latest_per_log(spec, changes)  # every key's newest change (one writer: one change log)
     expected_rows = {(r["id"], r[SOURCE_SEQ], r[DELETED]) for r in expected.select("id", SOURCE_SEQ, DELETED).to_dicts()}

@@ -165,7 +165,7 @@ def test_a_lost_race_commits_nothing_and_leaves_no_files(tmp_path: Path, instanc
     resumed = Job.resume(catalog, "base.orders", JobKind.UPDATE_DELETE, started.started)
     with pytest.raises(CommitConflictError), resumed:
         resumed.adopt(f for m in merges for f in m.add)
-        commit_merge(resumed, plan.position, merges, by_group)
+        commit_merge(resumed, plan.position, merges)
     base = h.base()
     assert base.current_snapshot().snapshot_id == winner
     live = {f.file_path for f in data_files(base, base.current_snapshot()) + position_delete_files(base, base.current_snapshot())}

@@ -32,7 +32,7 @@ from partfin_assets.jobs.job import Job, JobStart, StagedFiles
 from partfin_assets.jobs.upsert import sync_merged_tag
 from partfin_assets.jobs.upsert.commit import commit_merge
 from partfin_assets.jobs.upsert.decode import KeyedRows, decode_keys, unfit_in_cdc_order
-from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group, touched_groups
+from partfin_assets.jobs.upsert.merge import GroupMerge, merge_group, split_by_group
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.jobs.upsert.run import result_of
@@ -123,7 +123,7 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         with job_:
             job_.adopt(f for m in groups for f in m.add)
             quarantine_changes(iceberg, run.plan.spec, unfit, run.plan.cdc_snapshot_id)  # before base moves past these changes
-            committed = commit_merge(job_, run.plan, groups, touched_groups(groups), quarantined=unfit.num_rows)
+            committed = commit_merge(job_, run.plan, groups, quarantined=unfit.num_rows)
         sync_merged_tag(iceberg, name)
         result = result_of(
             run.plan, groups, job_.table.metadata, committed.snapshot_id, run.changes_read, committed.attempts, quarantined=unfit.num_rows,

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def commit_merge(
-    job: Job, plan: MergePosition, merges: Iterable[GroupMerge], touched_groups: Iterable[int], *, quarantined: int = 0,
+    job: Job, plan: MergePosition, merges: Iterable[GroupMerge], *, quarantined: int = 0,
 ) -> JobResult:
     """Commit the groups' merges as `job` (started on base.<table> at the plan's snapshot); conflicts raise."""
     merges = list(merges)
@@ -57,7 +57,7 @@ def commit_merge(
     job.expect_properties({K.PROP_SOURCE_SNAPSHOT_ID: str(previous) if previous is not None else None})
     for merge in merges:
         job.target(merge.targets)
-    groups = set(touched_groups)
+    groups = {m.group for m in merges if m.decoded}  # groups with a change to merge
     if plan.buckets is not None:  # a group's buckets with no file yet: a concurrent first write there conflicts too
         job.target(
             partition_path_of_values(job.table.metadata, [bucket])

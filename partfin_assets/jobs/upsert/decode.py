@@ -98,13 +98,6 @@ def decode_payloads(spec: TableSpec, keyed: KeyedRows) -> tuple[pl.DataFrame, pa
     return changes, _unfit_rows(raw, unfit)
 
 
-def decode_changes(spec: TableSpec, raw: pa.Table) -> tuple[pl.DataFrame, pa.Table]:
-    """Steps 2a and 2b in one go: CDC rows -> typed change rows (not yet deduplicated), the unfit in CDC order."""
-    keyed, unfit_keys = decode_keys(spec, raw)
-    changes, unfit_payloads = decode_payloads(spec, keyed)
-    return changes, unfit_in_cdc_order([unfit_keys, unfit_payloads])
-
-
 def unfit_in_cdc_order(parts: list[pa.Table]) -> pa.Table:
     """The unfit rows set aside by the decode steps (keys in one place, payloads per key group), in CDC order."""
     return pa.concat_tables(parts).sort_by(CDC_ROW)

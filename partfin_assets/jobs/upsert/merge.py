@@ -1,8 +1,9 @@
 """Upsert step 3, merge one key group, merge-on-read: the winning changes against the old versions of their keys.
 
 For a group (the buckets `bucket mod G == g`): decode its changes' payloads (jobs/upsert/decode.py;
-the ones that do not fit are returned for the quarantine), keep the latest per key and change log, locate the live old version of every changed key
-(jobs/upsert/locate.py: key and ordering columns only, key-range-pruned files), rank each key's
+the ones that do not fit are returned for the quarantine), keep the latest per key and change log,
+locate the live old version of every changed key (jobs/upsert/locate.py: key and ordering columns
+only, key-range-pruned files), rank each key's
 changes (one per change log) from where their log stood in the base row, and decide last-writer-wins
 per key (jobs/upsert/decode.py `ORDER_KEY`, `newer_than_base`), then
 
@@ -82,11 +83,6 @@ def split_by_group(plan: UpsertPlan, keyed: KeyedRows) -> dict[int, KeyedRows]:
     """The keyed CDC rows (decode.py `decode_keys`) of each key group that has any."""
     groups = group_ids(plan.base, plan.spec, plan.groups, keyed.keys)
     return {int(g): keyed.filter(groups == g) for g in groups.unique().sort().to_list()}
-
-
-def touched_groups(merges: list[GroupMerge]) -> list[int]:
-    """The groups with a change to merge (commit.py: their buckets are the run's conflict targets)."""
-    return [m.group for m in merges if m.decoded]
 
 
 def merge_group(

@@ -19,7 +19,7 @@ from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
 from partfin_assets.jobs.upsert.decode import decode_keys, unfit_in_cdc_order
-from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group, touched_groups
+from partfin_assets.jobs.upsert.merge import DEFAULT_MAX_DATA_FILES, GroupMerge, merge_group, split_by_group
 from partfin_assets.jobs.upsert.plan import GroupFiles, MergePosition, merged_source_snapshot_id, plan_upsert
 from partfin_assets.jobs.upsert.quarantine import quarantine_changes
 from partfin_assets.model import summary_keys as K
@@ -132,7 +132,7 @@ def run_upsert(
         unfit = unfit_in_cdc_order([unfit_keys, *(m.unfit for m in merges)])
         quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)  # before base moves past these changes
         _crash("after-files", crash_hook)
-        committed = commit_merge(job, plan.position, merges, touched_groups(merges), quarantined=unfit.num_rows)
+        committed = commit_merge(job, plan.position, merges, quarantined=unfit.num_rows)
     _crash("after-commit", crash_hook)
     sync_merged_tag(catalog, name)
     return result_of(plan.position, merges, job.table.metadata, committed.snapshot_id, raw.num_rows, committed.attempts,
