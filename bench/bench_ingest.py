@@ -13,7 +13,7 @@
    checkpoint, recorded in batches, reconciled before expiry) vs the same writer without the ledger,
    with `--ledger-checkpoints` checkpoints of 20,000 and of 500 records (a streaming cadence),
    taking turns checkpoint by checkpoint; also with one ledger commit per checkpoint (max_pending=1),
-   the design the batching replaced. Ratio = time(with) / time(without), median over the repeats.
+   the way it worked before batching. Ratio = time(with) / time(without), median over the repeats.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Measured, median of --repeats, each pass reading every event once:
 Kafka passes are timed from the consumer's creation (connections, metadata, first fetch
 included); "steady" is the consume pass from its first event to its last.
 Reported: events/s of each (median) and, per Kafka mode, the median and range of its per-pass
-ratio to the file pass beside it (issue 15's goal: Kafka through
+ratio to the file pass beside it (the goal: Kafka through
 `partfin ingest` >= 0.8x the same events from a file; this is the transport's share of it).
 
 The mock keeps at most 5 MB of record batches per partition (older batches are dropped): the

@@ -1,4 +1,4 @@
-"""`partfin ingest` events/s from Kafka vs the same Debezium events from a JSON-lines file (issue 15: >= 0.8x).
+"""`partfin ingest` events/s from Kafka vs the same Debezium events from a JSON-lines file (goal: >= 0.8x).
 
     .venv/bin/python bench/bench_kafka_ingest.py [--messages 12000] [--partitions 3] [--checkpoint-records 10000] [--repeats 5]
 

@@ -1,4 +1,4 @@
-"""Bench: watermark policies on the issue-13 streams, through the policy lab (`partfin policy-lab --scenario`).
+"""Bench: watermark policies on four simulated streams, through the policy lab (`partfin policy-lab --scenario`).
 
 Four simulated streams (steady, a 90-minute shard outage, a 4-hour idle night with heartbeats,
 0.05 % of event clocks 2 days ahead; 3 events/s, 60 s checkpoints, 16 measured hours after 8 hours

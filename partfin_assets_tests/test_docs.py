@@ -87,7 +87,6 @@ def test_every_page_of_docs_is_listed_in_the_index():
     assert not unlisted, f"docs/index.md does not list: {unlisted}"
 
 
-@pytest.mark.xfail(strict=True, reason="docstrings, comments and tests still cite the design note and tracker issues")
 def test_nothing_points_outside_the_repository():
     found = []
     for path in PAGES + SOURCES:
