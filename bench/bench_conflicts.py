@@ -40,6 +40,7 @@ from partfin_assets.iceberg.tables import CDC_PARTITION_SPEC, CDC_SCHEMA  # noqa
 from partfin_assets.jobs import conflicts  # noqa: E402
 from partfin_assets.jobs.conflicts import find_conflict  # noqa: E402
 from partfin_assets.model.timeutil import iso_z  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 T0 = 1_793_491_200_000_000  # 2026-11-01T00:00Z in us
 HOUR = 3_600_000_000
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=300)
     parser.add_argument("--big-files", type=int, default=1500)
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(commits=55, big_files=10, repeat=1))
     home = Path(tempfile.mkdtemp(prefix="bench-conflicts-"))
     catalog = load_partfin_catalog(home)
     ensure_namespaces(catalog, "bench")

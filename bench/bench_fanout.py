@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_upsert import HOUR_US, SPEC, T0_US, change_records  # noqa: E402
 from bench_upsert_scale import load_table  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 TABLES = ("fa", "fb")
 
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--changes", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--keep", type=Path)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(rows=2000, changes=200, repeats=1))
     root = args.keep or Path(tempfile.mkdtemp(prefix="partfin-bench-fanout-"))
     os.environ["PARTFIN_HOME"] = str(root / "partfin")
     (root / "dagster").mkdir(parents=True, exist_ok=True)

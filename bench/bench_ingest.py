@@ -35,6 +35,7 @@ from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
+from _sizes import parse_sizes
 
 SPEC = TableSpec("bench", ("id",), {"id": pa.int64(), "amount": pa.float64()})
 T0_US = 1_790_000_000_000_000
@@ -181,7 +182,7 @@ def main() -> None:
     parser.add_argument("--ledger-checkpoints", type=int, default=60, help="checkpoints per repeat of the ledger test")
     parser.add_argument("--ledger-repeats", type=int, default=5)
     parser.add_argument("--only-ledger", action="store_true", help="run the ledger overhead test (5) alone")
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(records=4000, checkpoints=4, repeats=1, commits=20, ledger_checkpoints=3, ledger_repeats=1))
     batches = make_batches(args.records, args.checkpoints)
     results: dict[str, float] = {}
 

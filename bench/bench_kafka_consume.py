@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bench_kafka_ingest import TOPIC, events, produce  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 
 def read_file(path: Path) -> int:
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--compression", default="none", choices=["none", "lz4", "zstd", "snappy", "gzip"])
     parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
+    options = parse_sizes(parser, smoke=dict(messages=200, repeats=1))
 
     messages = events(options.messages)
     mean_bytes = statistics.fmean(len(m.value) for m in messages)

@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from partfin_assets.iceberg.catalog import load_partfin_catalog  # noqa: E402
 from partfin_assets_tests import debezium_messages as dbz  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 TOPIC = "dbserver1.public.orders"
 T0_MS = 1_793_491_200_000
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--checkpoint-records", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
+    options = parse_sizes(parser, smoke=dict(messages=200, checkpoint_records=100, repeats=1))
 
     messages = events(options.messages)
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
