@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-records", type=int, default=90_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", type=Path)
-    args = parse_sizes(parser, smoke=dict(rate=1.0, hours=0.2, checkpoint_records=300, repeats=1))
+    args = parse_sizes(parser, smoke=dict(rate=1.0, hours=0.1, checkpoint_records=1000, repeats=1))
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     end = start + timedelta(hours=args.hours)
     iso = "%Y-%m-%dT%H:%M:%SZ"

@@ -20,11 +20,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))  # _sizes.py: a helper
 # a ratio as the benches print them: "1.08x", "ratio compaction / plain: 1.41x", "ratio_stats_vs_none": 0.96, "kafka_vs_file": 0.84
-# crash on main: their plain-append baselines cast to a CDC schema that has since gained `source_log`
-BROKEN = {
-    "bench_ingest": "PlainAppend casts records without source_log to cdc.<table>'s schema",
-    "bench_conflicts": "rows() casts records without arrival_time and source_log to cdc.<table>'s schema",
-}
 RATIO = re.compile(r"\d\.\d+x\b|\bratio\w*\b[^\n]*\d|_vs_\w*\"?:\s*\d", re.I)
 
 
@@ -32,10 +27,7 @@ def test_every_bench_is_found():
     assert len(BENCHES) >= 12, [p.name for p in BENCHES]
 
 
-@pytest.mark.parametrize("bench", [
-    pytest.param(p, id=p.stem, marks=[pytest.mark.xfail(strict=True, reason=BROKEN[p.stem])] if p.stem in BROKEN else [])
-    for p in BENCHES
-])
+@pytest.mark.parametrize("bench", BENCHES, ids=lambda p: p.stem)
 def test_the_bench_runs_at_a_tiny_size_and_prints_its_ratios(bench):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PARTFIN_", "DAGSTER_"))}  # its own catalog, its own instance
     result = subprocess.run([sys.executable, str(bench), "--smoke"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
