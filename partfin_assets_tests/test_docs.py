@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from partfin_assets.model import summary_keys
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "examples").rglob("*.md")])
 SOURCES = sorted(p for folder in ("partfin_assets", "partfin_assets_tests", "bench", "scripts", "examples")
@@ -85,6 +87,15 @@ def test_every_page_of_docs_is_listed_in_the_index():
     listed = {(REPO / "docs" / target.partition("#")[0]).resolve() for target in links(REPO / "docs" / "index.md")}
     unlisted = [p.name for p in (REPO / "docs").glob("*.md") if p.name != "index.md" and p.resolve() not in listed]
     assert not unlisted, f"docs/index.md does not list: {unlisted}"
+
+
+def test_every_key_partfin_writes_is_in_the_contracts_page():
+    """Each snapshot-summary key, table property (a prefix: as `prefix<name>`), tag and job kind of
+    model/summary_keys.py is named in docs/contracts.md, so the page cannot fall behind the code."""
+    named = set(re.findall(r"`([^`]+)`", (REPO / "docs" / "contracts.md").read_text()))
+    keys = [v for k, v in vars(summary_keys).items() if k.isupper() and isinstance(v, str)] + [k.value for k in summary_keys.JobKind]
+    missing = [key for key in keys if not any(text == key or text.startswith(key) for text in named)]
+    assert not missing, f"docs/contracts.md does not name: {missing}"
 
 
 def test_nothing_points_outside_the_repository():
