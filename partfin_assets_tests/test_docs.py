@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from partfin_assets.iceberg import tables
 from partfin_assets.model import summary_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +97,15 @@ def test_every_key_partfin_writes_is_in_the_contracts_page():
     keys = [v for k, v in vars(summary_keys).items() if k.isupper() and isinstance(v, str)] + [k.value for k in summary_keys.JobKind]
     missing = [key for key in keys if not any(text == key or text.startswith(key) for text in named)]
     assert not missing, f"docs/contracts.md does not name: {missing}"
+
+
+def test_every_column_of_partfins_tables_is_in_the_contracts_page():
+    """The columns of cdc.<table>, its __rejected and __ledger tables, base.<table>'s own columns and its quarantine."""
+    named = set(re.findall(r"`([^`]+)`", (REPO / "docs" / "contracts.md").read_text()))
+    schemas = (tables.CDC_SCHEMA, tables.REJECTED_SCHEMA, tables.LEDGER_SCHEMA, tables.QUARANTINE_SCHEMA)
+    columns = [field.name for schema in schemas for field in schema.fields] + list(tables.META_COLUMNS)
+    missing = sorted(set(columns) - named)
+    assert not missing, f"docs/contracts.md does not name the columns: {missing}"
 
 
 def test_nothing_points_outside_the_repository():
