@@ -35,6 +35,7 @@ from partfin_assets.ingest.writer import CdcWriter  # noqa: E402
 from partfin_assets.jobs.compaction import compact  # noqa: E402
 from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch  # noqa: E402
 from partfin_assets.model.tablespec import TableSpec  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 T0 = 1_793_491_200_000_000
 SPEC = TableSpec("bench", ("id",), {"id": pa.int64(), "amount": pa.float64()})
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--rows-per-file", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(files=3, rows_per_file=200, repeat=1))
     root = Path(tempfile.mkdtemp(prefix="bench-compaction-"))
     compaction_s, plain_s, setup_s = [], [], []
     input_mb = output_files = None

@@ -19,6 +19,7 @@ Goals: (1) linear in k (per-snapshot cost flat) and the same on `small` and `big
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,23 +40,28 @@ from partfin_assets.iceberg.history import snapshots_since  # noqa: E402
 from partfin_assets.iceberg.tables import CDC_PARTITION_SPEC, CDC_SCHEMA  # noqa: E402
 from partfin_assets.jobs import conflicts  # noqa: E402
 from partfin_assets.jobs.conflicts import find_conflict  # noqa: E402
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, cdc_records, with_source_log  # noqa: E402
 from partfin_assets.model.timeutil import iso_z  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 T0 = 1_793_491_200_000_000  # 2026-11-01T00:00Z in us
 HOUR = 3_600_000_000
 
 
 def rows(hour: int, n: int, seq: int) -> pa.Table:
+    """cdc.<table> rows as the writer stores them: the records and their change log."""
     times = T0 + hour * HOUR + np.arange(n, dtype=np.int64) * 1_000_000
-    return pa.table(
+    records = pa.table(
         {
             "key": [f'{{"id":{i}}}' for i in range(n)],
             "op": ["u"] * n,
             "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
             "source_seq": np.arange(seq, seq + n, dtype=np.int64),
-            "payload": [None] * n,
-        }
-    ).cast(CDC_SCHEMA.as_arrow())
+            "payload": pa.nulls(n, pa.string()),
+        },
+        schema=CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL,
+    )
+    return with_source_log(cdc_records(records), "bench").cast(CDC_SCHEMA.as_arrow())
 
 
 def build(catalog, name: str, commits: int, big_files: int) -> None:
@@ -92,8 +98,15 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=300)
     parser.add_argument("--big-files", type=int, default=1500)
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(commits=55, big_files=10, repeat=1))
     home = Path(tempfile.mkdtemp(prefix="bench-conflicts-"))
+    try:
+        run(home, args)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def run(home: Path, args: argparse.Namespace) -> None:
     catalog = load_partfin_catalog(home)
     ensure_namespaces(catalog, "bench")
     t = time.perf_counter()

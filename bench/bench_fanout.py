@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_upsert import HOUR_US, SPEC, T0_US, change_records  # noqa: E402
 from bench_upsert_scale import load_table  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 TABLES = ("fa", "fb")
 
@@ -87,13 +88,15 @@ class Timed:
     phases: dict[str, float]  # plan, merge, commit steps: first launch to last success, from the run's event log
 
 
-def run(instance, table: str, processes: int) -> Timed:
+def run(instance, table: str, processes: int, max_groups: int | None) -> Timed:
     from dagster import execute_job, reconstructable
 
     from partfin_assets.defs.platform.fanout import FORKSERVER
 
     target = reconstructable(fanout_job_fa if table == "fa" else fanout_job_fb)
     config = {"execution": {"config": {"max_concurrent": processes, "start_method": FORKSERVER}}}
+    if max_groups is not None:
+        config["ops"] = {f"plan_upsert_{table}": {"config": {"max_groups": max_groups}}}
     busy, started = busy_cpu_seconds(), time.perf_counter()
     with execute_job(target, instance=instance, run_config=config) as result:
         if not result.success:
@@ -129,8 +132,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--changes", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--max-groups", type=int, help="key groups (merge steps) per run (default: the job's own, 8)")
     parser.add_argument("--keep", type=Path)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(rows=2000, changes=200, repeats=1, max_groups=2))
     root = args.keep or Path(tempfile.mkdtemp(prefix="partfin-bench-fanout-"))
     os.environ["PARTFIN_HOME"] = str(root / "partfin")
     (root / "dagster").mkdir(parents=True, exist_ok=True)
@@ -151,13 +155,13 @@ def main() -> None:
         with DagsterInstance.local_temp(str(root / "dagster")) as instance:
             # untimed: the first run starts the step processes' forkserver (a Dagster run worker pays that once per run)
             for table in TABLES:
-                run(instance, table, 2)
+                run(instance, table, 2, args.max_groups)
             for r in range(args.repeats):
                 commit_changes(catalog, args.rows, args.changes, r)
                 plan = [("fa", 1), ("fb", 2)] if r % 2 == 0 else [("fa", 2), ("fb", 1)]
                 if r % 4 >= 2:
                     plan.reverse()
-                timed = {processes: run(instance, table, processes) for table, processes in plan}
+                timed = {processes: run(instance, table, processes, args.max_groups) for table, processes in plan}
                 one.append(timed[1])
                 two.append(timed[2])
                 ratios.append(timed[1].seconds / timed[2].seconds)

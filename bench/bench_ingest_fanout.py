@@ -25,6 +25,7 @@ import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from _sizes import parse_sizes
 
 POLICY = "min-of-last:3"
 
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-records", type=int, default=90_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", type=Path)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(rate=1.0, hours=0.1, checkpoint_records=1000, repeats=1))
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     end = start + timedelta(hours=args.hours)
     iso = "%Y-%m-%dT%H:%M:%SZ"

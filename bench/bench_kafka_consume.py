@@ -14,7 +14,7 @@ Measured, median of --repeats, each pass reading every event once:
 Kafka passes are timed from the consumer's creation (connections, metadata, first fetch
 included); "steady" is the consume pass from its first event to its last.
 Reported: events/s of each (median) and, per Kafka mode, the median and range of its per-pass
-ratio to the file pass beside it (issue 15's goal: Kafka through
+ratio to the file pass beside it (the goal: Kafka through
 `partfin ingest` >= 0.8x the same events from a file; this is the transport's share of it).
 
 The mock keeps at most 5 MB of record batches per partition (older batches are dropped): the
@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bench_kafka_ingest import TOPIC, events, produce  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 
 def read_file(path: Path) -> int:
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--compression", default="none", choices=["none", "lz4", "zstd", "snappy", "gzip"])
     parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
+    options = parse_sizes(parser, smoke=dict(messages=200, repeats=1))
 
     messages = events(options.messages)
     mean_bytes = statistics.fmean(len(m.value) for m in messages)

@@ -1,4 +1,4 @@
-"""`partfin ingest` events/s from Kafka vs the same Debezium events from a JSON-lines file (issue 15: >= 0.8x).
+"""`partfin ingest` events/s from Kafka vs the same Debezium events from a JSON-lines file (goal: >= 0.8x).
 
     .venv/bin/python bench/bench_kafka_ingest.py [--messages 12000] [--partitions 3] [--checkpoint-records 10000] [--repeats 5]
 
@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from partfin_assets.iceberg.catalog import load_partfin_catalog  # noqa: E402
 from partfin_assets_tests import debezium_messages as dbz  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 TOPIC = "dbserver1.public.orders"
 T0_MS = 1_793_491_200_000
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--checkpoint-records", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
+    options = parse_sizes(parser, smoke=dict(messages=200, checkpoint_records=100, repeats=1))
 
     messages = events(options.messages)
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""Bench: watermark policies on the issue-13 streams, through the policy lab (`partfin policy-lab --scenario`).
+"""Bench: watermark policies on four simulated streams, through the policy lab (`partfin policy-lab --scenario`).
 
 Four simulated streams (steady, a 90-minute shard outage, a 4-hour idle night with heartbeats,
 0.05 % of event clocks 2 days ahead; 3 events/s, 60 s checkpoints, 16 measured hours after 8 hours
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from _sizes import parse_sizes
 
 
 def main() -> int:
@@ -25,13 +26,15 @@ def main() -> int:
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--budget", type=float, default=0.001)
     parser.add_argument("--seed", type=int, default=13)
-    args = parser.parse_args()
+    parser.add_argument("--hours", type=int, default=16, help="measured hours per stream")
+    parser.add_argument("--history-hours", type=int, default=8, help="hours of history before them")
+    args = parse_sizes(parser, smoke=dict(scenarios=["steady"], hours=3, history_hours=2))
     budget_policy = f"late-budget:{args.budget:g}"
     policies = list(dict.fromkeys([*DEFAULT_POLICIES, budget_policy, DEFAULT_WATERMARK_POLICY]))
     checks = []
     for scenario in args.scenarios:
         started = time.perf_counter()
-        report, _ = run_lab(simulate(scenario, seed=args.seed), policies, args.budget)
+        report, _ = run_lab(simulate(scenario, seed=args.seed, hours=args.hours, history_hours=args.history_hours), policies, args.budget)
         print(f"## {scenario} ({time.perf_counter() - started:.0f} s)\n")
         print(report.table() + "\n")
         row = next(r for r in report.rows if r.outcome.name == DEFAULT_WATERMARK_POLICY)

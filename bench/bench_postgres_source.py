@@ -31,6 +31,7 @@ from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.sources.debezium import DebeziumFileSource
 from partfin_assets.sources.postgres import PostgresSource
 from partfin_assets_tests.postgres_cluster import throwaway_cluster
+from _sizes import parse_sizes
 
 DDL = "CREATE TABLE orders (id bigint PRIMARY KEY, amount numeric(12, 2), status text, placed timestamptz)"
 
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--txn-rows", type=int, default=100)
     parser.add_argument("--checkpoint-records", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; medians are reported")
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(events=200, txn_rows=50, checkpoint_records=100, repeat=1))
 
     end_to_end: dict[str, list[float]] = {"postgres": [], "debezium": []}
     source_only: dict[str, list[float]] = {"postgres": [], "debezium": []}

@@ -24,6 +24,7 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from _sizes import parse_sizes
 
 
 def build_history(root: Path, hours: int) -> dict:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hours", type=int, nargs="+", default=[10, 10_000])
     parser.add_argument("--ticks", type=int, default=50)
-    args = parser.parse_args(argv)
+    args = parse_sizes(parser, smoke=dict(hours=[2, 3], ticks=1), argv=argv)
     with tempfile.TemporaryDirectory(prefix="partfin-bench-sensor-") as tmp:
         rows = [bench(h, args.ticks, Path(tmp)) for h in args.hours]
     print(f"{'hours':>7} {'final':>6} {'ckpts':>5} {'meta KB':>8} {'steady ms':>10} {'ticks/s':>8} "

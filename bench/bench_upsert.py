@@ -41,6 +41,7 @@ from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
+from _sizes import parse_sizes
 
 SPEC = TableSpec(
     "bench",
@@ -202,7 +203,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep the warehouse in this directory")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--home", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(base_rows=2000, changes=200))
     if args.phase:
         print(json.dumps(PHASES[args.phase](args.home, args), default=str))
         return

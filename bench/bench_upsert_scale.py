@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_upsert as upsert_bench  # noqa: E402
 from bench_upsert import HOUR_US, SPEC, T0_US, change_records  # noqa: E402
+from _sizes import parse_sizes  # noqa: E402
 
 
 def spec_named(name: str):
@@ -221,7 +222,7 @@ def main() -> None:
     parser.add_argument("--home", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_sizes(parser, smoke=dict(small=2000, large=4000, changes=100, repeats=1, read_upserts=1, read_repeats=1))
     if args.phase:
         print(json.dumps(PHASES[args.phase](args.home, args), default=str))
         return

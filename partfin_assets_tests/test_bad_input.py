@@ -1,4 +1,4 @@
-"""Bad input is rejected or quarantined, never fatal (issue 11 §2, §3), as `partfin` users meet it.
+"""Bad input is rejected or quarantined, never fatal, as `partfin` users meet it.
 
 - a `source.ts_ms` that is NaN, Infinity, past int64 or microseconds sent as milliseconds;
 - float NaN / ±Infinity from Debezium (JsonConverter quotes them) and from PostgreSQL float8/real;

@@ -1,4 +1,4 @@
-"""Order within one source (issue 10 §7): the change log's own order (file position, LSN) decides which change
+"""Order within one source: the change log's own order (file position, LSN) decides which change
 of a key is the latest, not event time; a source clock that steps back (a failover, an NTP step) must not make
 a later change lose. As users meet it: `partfin ingest` and `partfin upsert` as real processes."""
 

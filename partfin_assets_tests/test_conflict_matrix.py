@@ -1,4 +1,4 @@
-"""DESIGN §6 conflict matrix, every cell, same and different partition, on SQLite and PostgreSQL catalogs.
+"""The conflict matrix (docs/concurrency.md), every cell, same and different partition, on SQLite and PostgreSQL catalogs.
 
 Each case races two real jobs on one table from two threads. The *later* job starts
 first (reads its start snapshot, writes its files) and parks at a barrier just before
@@ -346,7 +346,7 @@ UPSERTED = (1.5, 100)  # UPSERT_KEY after the pending change is merged
 @pytest.mark.parametrize("other", KINDS, ids=lambda k: k.name)
 @pytest.mark.parametrize("upsert_finishes", ["later", "earlier"])
 def test_upsert_in_the_conflict_matrix(catalog, upsert_finishes, other, placement):
-    """The upsert is an UPDATE/DELETE job on base.<table>: its row of DESIGN §6 and its column, per bucket."""
+    """The upsert is an UPDATE/DELETE job on base.<table>: its row of the conflict matrix and its column, per bucket."""
     seed_base(catalog)
     start = base_state(catalog)
     other_key = UPSERT_KEY if placement == "same" else OTHER_BUCKET_KEY

@@ -227,7 +227,7 @@ def test_checks_warn_on_late_data_and_name_the_commits_that_brought_it(synced):
     assert sum(by_partition.values()) == late.metadata["late_records"].value > 0
     assert set(commits) == set(by_partition)
     assert all(ids and len(set(ids)) == len(ids) for ids in commits.values())  # each hour names its commits, once
-    # the current policy as the table's own watermark did (issue 13): late share and lag, from the ledger
+    # the current policy as the table's own watermark did: late share and lag, from the ledger
     assert late.metadata["watermark_policy"].value == table.spec.watermark_policy
     assert 0 < late.metadata["late_share_after_finalization"].value < 1
     assert late.metadata["median_finalization_lag_seconds"].value > 0

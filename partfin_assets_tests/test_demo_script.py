@@ -2,7 +2,7 @@
 under nohup) stops cleanly on SIGTERM and on SIGINT, and its log is free of first-run noise.
 
 A background job of a non-interactive shell starts with SIGINT ignored, and `dagster dev` copies SIGINT's
-handler onto SIGTERM, so before the fix the demo ignored both (issue 14, "Stopping").
+handler onto SIGTERM, so before the fix the demo ignored both.
 """
 
 from __future__ import annotations

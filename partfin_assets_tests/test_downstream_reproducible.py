@@ -1,4 +1,4 @@
-"""Reproducible downstream runs (issue 10 §6): the run of hour H reads base at the snapshot named by H's
+"""Reproducible downstream runs: the run of hour H reads base at the snapshot named by H's
 finalization (or amendment) event, whenever it runs; a re-run for late data reads the snapshot that carried it.
 
 In process, as Dagster runs it: the sync job, the finalization sensor (its asset events recorded as the daemon

@@ -1,4 +1,4 @@
-"""Issue 10 §1: two writers on one table, as users start them -- every source event lands exactly once.
+"""Two writers on one table, as users start them -- every source event lands exactly once.
 
 Real processes only: `partfin ingest` twice at once on one Debezium file with different
 `--checkpoint-records` (three rounds, then one final run), and `partfin ingest` started by hand

@@ -1,4 +1,4 @@
-"""Issue 10 §4: a source clock ahead of the host must not finalize the future or stall finalization.
+"""A source clock ahead of the host must not finalize the future or stall finalization.
 
 The source streams valid changes for five hours; then its clock jumps three hours ahead (a
 failover onto a host with a wrong clock, or local time stored as UTC). `partfin ingest`,

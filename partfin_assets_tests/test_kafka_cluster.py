@@ -234,7 +234,7 @@ def test_explicit_assignment_reads_from_stored_offsets_and_signals_partition_end
 
 class Member:
     """A group member that resumes each assigned partition from offsets in its own store, the way
-    issue 15's source resumes from the offsets in the table's last snapshot; group commits are
+    the Kafka source resumes from the offsets in the table's last snapshot; group commits are
     best effort (lag monitoring). On the mock they fail with REBALANCE_IN_PROGRESS when made in
     the revoke callback (it refuses commits while the group is joining; Kafka accepts them)."""
 
@@ -469,7 +469,7 @@ def test_every_control_call_reaches_the_mock(kafka_cluster):
 
 
 def test_what_the_mock_does_not_do(kafka_cluster):
-    """Limits the Kafka source's tests must live with (kafka-notes.md); a librdkafka upgrade that
+    """Limits the Kafka source's tests must live with; a librdkafka upgrade that
     lifts one fails here, so the notes get updated."""
     kafka_cluster.create_topic(TOPIC, 3)
     admin = AdminClient(kafka_cluster.client_config())

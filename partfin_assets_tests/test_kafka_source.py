@@ -1,4 +1,4 @@
-"""The Kafka source (issue 15) against librdkafka's mock cluster, through real `partfin ingest` processes.
+"""The Kafka source against librdkafka's mock cluster, through real `partfin ingest` processes.
 
 The mock cluster (kafka_cluster.py) speaks the Kafka protocol on loopback: the ingest processes use
 confluent-kafka exactly as against a real cluster. Waits are liveness bounds, never performance

@@ -1,4 +1,4 @@
-"""Acknowledging late data (issue 14): the late_data WARN stays until the hours are re-run *or acknowledged*.
+"""Acknowledging late data: the late_data WARN stays until the hours are re-run *or acknowledged*.
 
 A table streams three hours; then late records reach hour 01:00 and 02:00. Acknowledged on the
 command line (`partfin late-data ack`, a subprocess), hour 01:00 is listed as acknowledged by

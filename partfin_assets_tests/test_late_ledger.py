@@ -1,4 +1,4 @@
-"""Issue 10 §5: late data must outlive snapshot expiry -- status, checks and Dagster metadata agree.
+"""Late data must outlive snapshot expiry -- status, checks and Dagster metadata agree.
 
 A table streams six on-time hours; their downstream partitions run. Then 24 late records for
 hours that already ran arrive over three checkpoints, followed by 40 on-time checkpoints, so the

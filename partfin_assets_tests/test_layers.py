@@ -1,4 +1,4 @@
-"""The layer diagram of the README holds: no lower layer imports a higher one, no import cycles.
+"""The layer diagram of docs/architecture.md holds: no lower layer imports a higher one, no import cycles.
 
 Read from the source (ast), so a violation is named by module and line before anything runs.
 """
@@ -123,21 +123,21 @@ def test_only_the_dagster_layer_imports_dagster():
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
-# ---- the README's "Code layout" section says the same as the code
+# ---- docs/architecture.md's "Layers and modules" section says the same as the code
 
-README = PACKAGE.parent / "README.md"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
-def _readme_layout() -> tuple[str, str]:
-    """(the layer diagram, the module table) of the README's Code layout section."""
-    section = README.read_text().split("\n## Code layout\n", 1)[1].split("\n## ", 1)[0]
+def _documented_layout() -> tuple[str, str]:
+    """(the layer diagram, the module table) of docs/architecture.md's Layers and modules section."""
+    section = ARCHITECTURE.read_text().split("\n## Layers and modules\n", 1)[1].split("\n## ", 1)[0]
     diagram = section.split("```\n", 1)[1].split("```", 1)[0]
     table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
     return diagram, table
 
 
-def test_readme_diagram_draws_every_part_at_its_layer():
-    diagram, _ = _readme_layout()
+def test_documented_diagram_draws_every_part_at_its_layer():
+    diagram, _ = _documented_layout()
     drawn = {}
     for line in diagram.splitlines():
         layer, *words = line.split()
@@ -148,8 +148,8 @@ def test_readme_diagram_draws_every_part_at_its_layer():
     assert drawn == LAYERS
 
 
-def test_readme_module_table_names_every_module():
-    _, table = _readme_layout()
+def test_documented_module_table_names_every_module():
+    _, table = _documented_layout()
     rows = table.splitlines()
     missing = []
     for module, path in modules().items():
@@ -161,4 +161,4 @@ def test_readme_module_table_names_every_module():
         package = f"`{path.parent.relative_to(PACKAGE).as_posix()}/`"
         if not any(package in row and f"`{path.stem}`" in row for row in rows):
             missing.append(relative)
-    assert not missing, f"modules the README's module table does not name: {missing}"
+    assert not missing, f"modules docs/architecture.md's module table does not name: {missing}"

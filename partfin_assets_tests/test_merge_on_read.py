@@ -175,7 +175,7 @@ def race(later, first) -> dict:
 @pytest.mark.parametrize("placement", ["same", "different"])
 @pytest.mark.parametrize("first", ["upsert", "compaction"])
 def test_upsert_and_compaction_on_a_table_with_delete_files(tmp_path: Path, first: str, placement: str):
-    """DESIGN §6 with delete files live: UPDATE/DELETE vs MERGE on one bucket, the later one fails."""
+    """The conflict matrix with delete files live: UPDATE/DELETE vs MERGE on one bucket, the later one fails."""
     h, changes = loaded(tmp_path, rounds=2)
     key = 5
     pending = [(key, "u", 500, 50_000, 55.0)]

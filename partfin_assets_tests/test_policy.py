@@ -1,4 +1,4 @@
-"""Issue 13: finalization that is early and right.
+"""Finalization that is early and right: watermark policies.
 
 Broken scenarios, reproduced at user level before the fixes:
 - one event from a source clock two days ahead suppresses every heartbeat (`partfin ingest` of a

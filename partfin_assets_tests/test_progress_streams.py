@@ -1,4 +1,4 @@
-"""Issue 10 §2: several writer ids on one table -- the watermark never passes a writer's uncommitted data.
+"""Several writer ids on one table -- the watermark never passes a writer's uncommitted data.
 
 Writer `a` streams 10:00-13:00 and stops after two checkpoints; writer `b` commits 15:00-17:00.
 Nothing says `a` is done, so the watermark must stay at or below the hour of `a`'s progress,

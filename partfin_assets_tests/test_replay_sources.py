@@ -1,4 +1,4 @@
-"""Replays reproduce, never invent (issue 10 §3): what a replay of hour H reads, and what it may remove.
+"""Replays reproduce, never invent: what a replay of hour H reads, and what it may remove.
 
 Each test is a scenario as an operator meets it: `partfin ingest` as a real process, then a replay
 of the hour as Dagster runs it (a materialization of partition H of `cdc/<table>`).

@@ -1,4 +1,4 @@
-"""A planted secret never shows (issue 11 §4): not in the Dagster UI's repository snapshot, the run logs, or any CLI error.
+"""A planted secret never shows: not in the Dagster UI's repository snapshot, the run logs, or any CLI error.
 
 The secret is planted in PARTFIN_CATALOG_URI, PARTFIN_SOURCE and `--source` in every form a password
 takes: URI user info, a `?password=` query parameter, a libpq `password=` pair, a `#` inside the

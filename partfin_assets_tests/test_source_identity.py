@@ -1,4 +1,4 @@
-"""A table's source identity (issue 11 §3): a Debezium file that changed under its offset, and a table switched
+"""A table's source identity: a Debezium file that changed under its offset, and a table switched
 to another source kind, are refused with one clear line, as `partfin ingest` users meet them."""
 
 from __future__ import annotations

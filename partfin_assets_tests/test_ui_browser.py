@@ -1,6 +1,6 @@
 """The demo in a real browser: Debian's chromium, driven by Playwright, against a `dagster dev` this test starts.
 
-The demo's source on a faster event clock (issue 14): within five minutes an hour finalizes live, a
+The demo's source on a faster event clock: within five minutes an hour finalizes live, a
 late-data WARN stays over several sync runs and late data re-runs its downstream hour; then the
 pages show the hour's totals on a partition, check results on the latest materialization, base and
 finalized with their status, the re-run partition and the report page. Screenshots are saved under
@@ -33,7 +33,7 @@ CDC, FINALIZED = AssetKey(["cdc", "orders"]), AssetKey(["finalized", "orders"])
 
 pytestmark = pytest.mark.timeout(420)
 
-SCREENSHOTS = {  # what each screenshot shows (printed by the test; the README lists them too)
+SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster.md lists them too)
     "1-asset-graph.png": "the asset graph upstream of activity/orders_hourly: platform, finalization, activity groups",
     "2-cdc-hour-totals.png": "cdc/orders, the hour that finalized live: the whole hour's totals as partition metadata",
     "3-cdc-checks.png": "cdc/orders checks on the latest materialization (late_data in WARN)",

@@ -1,6 +1,6 @@
 """Property: any arrival order, duplicates and run boundaries give the reference model's base table.
 
-Reference model (README "Base tables", jobs/upsert/decode.py): within one change log (one writer)
+Reference model (docs/base-tables.md, jobs/upsert/decode.py): within one change log (one writer)
 the change with the greatest source position wins, whatever its event time; between logs a change
 ranks at its order time (its event time, never before an earlier change of its key in its log), then
 by log id, then position. The row exists iff the winner is not a delete, with the winner's values.

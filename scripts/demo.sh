@@ -9,7 +9,7 @@ scripts/setup.sh
 export PARTFIN_HOME=$(realpath -m "${PARTFIN_HOME:-$REPO/.partfin}")
 export DAGSTER_HOME=$(realpath -m "${DAGSTER_HOME:-$PARTFIN_HOME/dagster}")
 mkdir -p "$PARTFIN_HOME" "$DAGSTER_HOME"
-# PARTFIN_DAGSTER_CONFIG=dagster.postgres.yaml keeps the instance in PostgreSQL (README: Production)
+# PARTFIN_DAGSTER_CONFIG=dagster.postgres.yaml keeps the instance in PostgreSQL (docs/operations.md: Production)
 cp "${PARTFIN_DAGSTER_CONFIG:-dagster.yaml}" "$DAGSTER_HOME/dagster.yaml"
 # Hourly partitions start where the demo's data starts: the first hour the source replays (24 hours
 # before the current hour), kept in PARTFIN_HOME so a restart of the same demo shows the same hours.

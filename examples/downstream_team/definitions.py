@@ -1,6 +1,6 @@
 """A downstream team's own code location, built only on partfin's finalization event (and its Dagster-free readers).
 
-Contract (partfin README, "Subscribing to finalized hours"): when hour H of table T is
+Contract (partfin docs/dagster.md, "Subscribing to finalized hours"): when hour H of table T is
 final, one runless materialization of asset `finalized/<T>` with partition H
 (`YYYY-MM-DD-HH:00`, UTC) is recorded, in hour order, naming the base snapshot
 (`base_snapshot_id`) that holds the hour's final rows. When late records reach H after

@@ -1,4 +1,4 @@
-"""Which hours are final: hour H is finalized when H + 1h <= W (DESIGN §1).
+"""Which hours are final: hour H is finalized when H + 1h <= W.
 
 Hour keys are Dagster's hourly partition keys (`YYYY-MM-DD-HH:00`, UTC); hours are epoch
 microseconds as everywhere else. The finalization sensor's cursor lives here too.
@@ -39,7 +39,7 @@ def parse_hour(text: str) -> int:
 
 
 def is_finalized(hour_us: int, watermark_us: int | None) -> bool:
-    """DESIGN §1: hour H is finalized when H + 1h <= W."""
+    """Hour H is finalized when H + 1h <= W."""
     return watermark_us is not None and floor_hour_us(hour_us) + US_PER_HOUR <= watermark_us
 
 

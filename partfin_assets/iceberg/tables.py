@@ -1,4 +1,4 @@
-"""partfin's tables (DESIGN §4): the Iceberg schema, partitioning and creation of each.
+"""partfin's tables (docs/contracts.md): the Iceberg schema, partitioning and creation of each.
 
 - `cdc.<table>`: the append-only change ledger (the CDC record schema), hidden partitioning
   `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason;

@@ -1,4 +1,4 @@
-"""The built-in Accumulator: the event-time stats of a checkpoint (DESIGN §4), overall and per hour."""
+"""The built-in Accumulator: the event-time stats of a checkpoint (docs/contracts.md), overall and per hour."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class EventTimes:
 
 
 class EventTimeAccumulator(Accumulator):
-    """The DESIGN §4 event-time stats of a checkpoint, and the same per hour (partfin.event-time.by-hour)."""
+    """The event-time stats of a checkpoint, and the same per hour (partfin.event-time.by-hour)."""
 
     name = "event-time"
 

@@ -1,1 +1,1 @@
-"""The write jobs of DESIGN §6 beside the writer: the Job and its conflict rules, upsert, replay, compaction, privacy delete, maintenance."""
+"""The write jobs (docs/concurrency.md) beside the writer: the Job and its conflict rules, upsert, replay, compaction, privacy delete, maintenance."""

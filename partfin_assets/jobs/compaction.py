@@ -1,4 +1,4 @@
-"""Small-file compaction per partition: a MERGE job (DESIGN §6).
+"""Small-file compaction per partition: a MERGE job (docs/concurrency.md).
 
 A streaming writer leaves one small file per subtask per hour per checkpoint.
 Compaction reads the small files of a partition at the job's start snapshot,

@@ -1,4 +1,4 @@
-"""The conflict matrix of DESIGN §6 at partition granularity: one job object every partfin write goes through.
+"""The conflict matrix (docs/concurrency.md) at partition granularity: one job object every partfin write goes through.
 
 Job kinds and what happens when another commit lands between a job's start (the
 snapshot it read) and its commit ("first to finish wins"):

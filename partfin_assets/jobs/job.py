@@ -1,6 +1,6 @@
 """One partfin write job on one table: start snapshot, target partitions, files written, one commit.
 
-Every write that can conflict goes through `Job` (DESIGN §6, the rules in jobs/conflicts.py):
+Every write that can conflict goes through `Job` (docs/concurrency.md, the rules in jobs/conflicts.py):
 it records the snapshot it read, the partitions it targets and the files it wrote, and
 commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head
 (an OVERWRITE keeps what INTO commits appended after its start); UPDATE/DELETE and MERGE

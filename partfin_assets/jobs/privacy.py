@@ -1,4 +1,4 @@
-"""Privacy delete by primary key across cdc.<table> and base.<table>: UPDATE/DELETE jobs (DESIGN §6).
+"""Privacy delete by primary key across cdc.<table> and base.<table>: UPDATE/DELETE jobs (docs/concurrency.md).
 
 Iceberg commits one table at a time, so the two tables cannot change atomically
 together. The delete is made **idempotent and resumable** instead:

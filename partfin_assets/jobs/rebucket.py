@@ -11,7 +11,7 @@ N must be a multiple of M greater than M: Iceberg's bucket hash gives bucket(N) 
 bucket(M) then, so the keys of one old bucket stay in one key group (`bucket mod M`,
 jobs/upsert/plan.py `group_files`) and a group's old and new files are merged together.
 
-Job kind (DESIGN §6): a MERGE of the table's layout. It reads no data, so data commits that land
+Job kind (docs/concurrency.md): a MERGE of the table's layout. It reads no data, so data commits that land
 between its start and its commit do not make it fail; it fails with CommitConflictError when the
 partition spec (or `partfin.base.buckets`) changed since it started (another rebucket finished
 first). Every UPDATE/DELETE or MERGE job that started before it and finishes after it fails

@@ -1,4 +1,4 @@
-"""Replay / backfill of one hour of cdc.<table>: an OVERWRITE job (DESIGN §6) that reproduces, never invents.
+"""Replay / backfill of one hour of cdc.<table>: an OVERWRITE job (docs/concurrency.md) that reproduces, never invents.
 
 What a replay reads (`replay_hour_from_history`): the history the table's writers read, as
 their checkpoints recorded it (`partfin.source`, model/source_identity.py), from its start up to
@@ -16,7 +16,7 @@ A replay that would leave the hour with far fewer records than it held (a net lo
 `MAX_NET_LOSS_FRACTION` of them) is refused with `ReplayRefused` unless forced: a replay of
 recorded history removes nothing, so such a loss means its input is not that history.
 
-Watermark and stats semantics (DESIGN §4 "commits that carry no stats ... overwrites"):
+Watermark and stats semantics (the policy skips commits without event-time stats, overwrites among them):
 
 - The replay commit carries **no** `partfin.event-time.*` entries, so the
   watermark policy skips it when looking back X commits and snapshot expiry does

@@ -1,4 +1,4 @@
-"""One retry policy for jobs that lose a race (DESIGN §6): re-run from a fresh snapshot, bounded.
+"""One retry policy for jobs that lose a race (docs/concurrency.md): re-run from a fresh snapshot, bounded.
 
 A `CommitConflictError` means nothing of the attempt is visible, so running the whole job
 again (it starts a new `Job` on the then-current snapshot) is always safe. The policy is

@@ -4,7 +4,7 @@ fastdigest (Rust) builds and merges digests from whole numpy arrays; the stored
 form is the `tdigest` package's dict layout so that any consumer can read it
 back with `tdigest.TDigest().update_from_dict(json.loads(...))`.
 
-The per-hour entry (`partfin.event-time.by-hour`, an addition beyond DESIGN §4) holds
+The per-hour entry (`partfin.event-time.by-hour`, docs/contracts.md) holds
 exact count/min/max/p50/p99 per hour plus a small digest, so that the hour partitions of
 cdc and base tables can be described from snapshot summaries alone.
 """
@@ -71,7 +71,7 @@ class EventTimeStats:
         return int(round(self.digest.quantile(q) * US_PER_SECOND))
 
     def to_summary(self) -> dict[str, str]:
-        """The snapshot-summary entries of DESIGN §4 (count always; the rest when non-empty)."""
+        """The snapshot-summary entries of a checkpoint (count always; the rest when non-empty)."""
         out = {K.EVENT_TIME_COUNT: str(self.count)}
         if self.is_empty:
             return out
@@ -122,7 +122,7 @@ class HourStats:
 
 @dataclass(frozen=True)
 class EventTimeProfile:
-    """A batch of event times summarised: the DESIGN §4 stats, and the same per hour."""
+    """A batch of event times summarised: count, min, max, t-digest, and the same per hour."""
 
     stats: EventTimeStats
     by_hour: tuple[HourStats, ...]

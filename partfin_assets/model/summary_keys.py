@@ -1,6 +1,6 @@
-"""Snapshot-summary keys and table properties: the contract of DESIGN §4, in one place.
+"""Snapshot-summary keys and table properties: the contract, in one place.
 
-Every key partfin writes is named here (and documented in the README's key tables)."""
+Every key partfin writes is named here and documented in docs/contracts.md."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ EVENT_TIME_TDIGEST = "partfin.event-time.tdigest"
 EVENT_TIME_HEARTBEAT = "partfin.event-time.heartbeat"
 LATE_RECORDS = "partfin.late-records"
 WATERMARK = "partfin.watermark"
-# additions beyond DESIGN §4 (documented in the README)
+# more keys of the checkpoint commit
 LATE_RECORDS_TOTAL = "partfin.late-records.total"  # running total over the table's history
 LATE_RECORDS_BY_HOUR = "partfin.late-records.by-hour"  # JSON {"<hour iso Z>": count}
 # JSON {"<hour iso Z>": {"n", "min", "max", "p50", "p99" (iso Z), "c": [[mean_s, count], ...]}}
@@ -36,7 +36,7 @@ WATERMARK_POLICY_APPLIED = "partfin.watermark.policy"
 COMMIT_CLOCK = "partfin.commit-clock"  # ISO Z: the writer's clock for this checkpoint (the ledger's commit_time)
 COMMIT_ID = "partfin.commit-id"  # unique per commit attempt series: resolves unknown outcomes
 JOB_KIND = "partfin.job-kind"
-# the conflict layer (jobs/job.py, DESIGN §6)
+# the conflict layer (jobs/job.py, docs/concurrency.md)
 JOB_ID = "partfin.job-id"  # the job that made the commit (caller-supplied, e.g. a Dagster run, or random)
 JOB_PARTITIONS = "partfin.job.partitions"  # JSON list of the partition paths a job targeted (omitted past 200)
 JOB_START_SNAPSHOT = "partfin.job.start-snapshot-id"  # the snapshot an OVERWRITE, UPDATE/DELETE or MERGE job read
@@ -103,7 +103,7 @@ PROP_LEDGER_PREFIX = "partfin.ledger."  # + writer id: the last checkpoint id th
 LEDGER_CHECKPOINTS = "partfin.ledger.checkpoints"  # ledger commit summary: JSON {writer id: last checkpoint id recorded}
 
 
-# values of partfin.job-kind: the job kinds of the conflict matrix (DESIGN §6)
+# values of partfin.job-kind: the job kinds of the conflict matrix (docs/concurrency.md)
 class JobKind(enum.StrEnum):
     INTO = "INTO"
     OVERWRITE = "OVERWRITE"

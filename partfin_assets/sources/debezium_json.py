@@ -15,7 +15,7 @@ or raises `RejectedMessage` whose text is the reason (the caller keeps the raw v
 JSON is parsed without going through float: JSON numbers with a fraction or exponent become
 `Decimal`, so decimals sent as numbers (`decimal.format=NUMERIC`) stay exact.
 
-Column types (`connect_column`; the README's Sources section has the same table). int8 and
+Column types (`connect_column`; docs/sources.md has the same table). int8 and
 int16 become int32 (Iceberg's smallest integer). Decimals keep their scale; a precision below
 the scale (`numeric(5,6)`) is widened to the scale, a Decimal without precision gets 38, and
 beyond 38 digits (Iceberg's limit) the column is the exact decimal text. Non-finite floats

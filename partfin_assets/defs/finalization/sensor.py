@@ -58,7 +58,7 @@ def finalized_spec(table: PartfinTable) -> AssetSpec:
         description=(
             f"Finalization events of base.{table.name}. Partition H receives exactly one runless materialization "
             f"when hour H finalizes (H + 1h <= base watermark). Subscribe with a sensor that reads all new "
-            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see README)."
+            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see docs/dagster.md)."
         ),
         group_name="finalization",
         owners=[table.platform_owner],

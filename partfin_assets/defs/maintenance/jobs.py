@@ -1,4 +1,4 @@
-"""Table jobs of each declared table: compaction, privacy delete, maintenance (DESIGN §6).
+"""Table jobs of each declared table: compaction, privacy delete, maintenance (job kinds: docs/concurrency.md).
 
 - `compact_<table>` (MERGE; schedule hourly, on by default): small-file compaction of the
   finalized hours of cdc.<table>, then of base.<table>; files before/after are recorded as an

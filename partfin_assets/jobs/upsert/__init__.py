@@ -1,6 +1,6 @@
 """The base-table upsert: merge new CDC snapshots into base.<table>, last writer wins.
 
-One run is one UPDATE/DELETE `Job` on base.<table> (DESIGN §6), in four steps, one module each:
+One run is one UPDATE/DELETE `Job` on base.<table> (docs/concurrency.md), in four steps, one module each:
 
 1. plan.py: which CDC data files are new since the position base.<table> merged up to,
    read at one pinned snapshot of each table;

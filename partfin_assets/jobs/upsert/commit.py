@@ -6,7 +6,7 @@ replace and the data files they folded, and sets `partfin.source-table`,
 as table properties and summary entries: data, position and completeness signal in one atomic
 commit.
 
-As a `Job` the upsert follows the conflict matrix (DESIGN §6): it fails with
+As a `Job` the upsert follows the conflict matrix (docs/concurrency.md): it fails with
 `CommitConflictError` when a commit after its start touched a bucket it read or writes, or when
 another upsert moved `partfin.source-snapshot-id` meanwhile (a compare-and-set on the position);
 commits to other buckets (a privacy delete, a compaction) only cost a rebuild on the fresh head.

@@ -105,7 +105,7 @@ def run_upsert(
 ) -> UpsertResult:
     """One incremental merge of cdc.<name> into base.<name> (see the package docstring).
 
-    Raises CommitConflictError when base.<name> changed in a way that conflicts (DESIGN §6).
+    Raises CommitConflictError when base.<name> changed in a way that conflicts (docs/concurrency.md).
     """
     cdc = load_existing_table(catalog, f"cdc.{name}", "ingest into it first (partfin ingest)")
     spec = TableSpec.from_properties(name, cdc.properties)
