@@ -66,7 +66,6 @@ def two_logs(tmp_path, monkeypatch):
         yield home, defs, instance, load_partfin_catalog(home)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 §1: the replay de-duplicates records of two logs on (key, source_seq)")
 def test_replay_of_an_hour_written_by_two_logs_recreates_every_record_of_each(two_logs):
     """Before: the replay kept 10 of the hour's 20 records (positions 1-10 of both logs collapsed), reported
     removed=0, and the upsert after it gave base the older values ("new", 10.0) of ids 1-10."""
@@ -90,3 +89,20 @@ def test_replay_of_an_hour_written_by_two_logs_recreates_every_record_of_each(tw
                               "orders-writer": {"added": 0, "removed": 0, "records": 10}}
     assert {key: base_after[key] for key in range(1, 11)} == dict.fromkeys(range(1, 11), ("shipped", 99.0))
     assert len(base_after) == 40
+
+
+def test_two_records_are_the_same_only_in_the_same_log_and_a_row_without_one_matches_by_position():
+    """records_not_in: line 1 of log a is not line 1 of log b; a row written before partfin kept its log (null)
+    matches a record of any log at its key and position, in either direction."""
+    import polars as pl
+
+    from partfin_assets.model.records import records_by_log, records_not_in
+
+    schema = {"source_log": pl.String, "key": pl.String, "source_seq": pl.Int64}
+    new = pl.DataFrame({"source_log": ["a", "b", "a", None], "key": ["k1", "k1", "k2", "k3"], "source_seq": [1, 1, 2, 3]},
+                       schema=schema)
+    old = pl.DataFrame({"source_log": ["a", None, "c"], "key": ["k1", "k2", "k3"], "source_seq": [1, 2, 3]}, schema=schema)
+    assert records_not_in(new, old).rows() == [("b", "k1", 1)]
+    assert records_not_in(old, new).is_empty()
+    assert records_not_in(old.with_columns(pl.lit(9, pl.Int64).alias("source_seq")), new).height == 3
+    assert records_by_log(new) == {"a": 2, "b": 1, "unknown": 1}
