@@ -106,3 +106,32 @@ def test_two_records_are_the_same_only_in_the_same_log_and_a_row_without_one_mat
     assert records_not_in(old, new).is_empty()
     assert records_not_in(old.with_columns(pl.lit(9, pl.Int64).alias("source_seq")), new).height == 3
     assert records_by_log(new) == {"a": 2, "b": 1, "unknown": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22 §1: the quarantine identifies a change by key, op, event time and position, not its log")
+def test_unfit_changes_of_two_logs_at_one_position_are_both_quarantined(tmp_path):
+    """Two writer ids each commit an unfit change (an amount that is no number) of key 3 at position 3 and the same
+    event time, each merged by an upsert of its own. Both are changes of their own logs: the quarantine holds both,
+    once each, also after a full re-merge reads them again. Before: the first only (the second upsert took the
+    second change for the first)."""
+    import json
+
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.records import ChangeBatch
+    from partfin_assets_tests.test_upsert import Harness, records
+
+    unfit = records([(3, "c", 2, 3, 3.0)], payload=lambda c: json.dumps({"id": 3, "amount": "lots", "status": "x"}))
+    table = Harness(tmp_path, writer_id="orders-writer")
+    table.write(table=unfit)
+    table.upsert()
+    backfill = CdcWriter(table.catalog, table.spec, writer_id="backfill-1")
+    backfill.write_checkpoint(ChangeBatch(unfit, "1"))
+    backfill.close()
+    table.upsert()
+    with table.catalog.load_table(table.spec.base_identifier).transaction() as tx:
+        tx.remove_properties(K.PROP_SOURCE_SNAPSHOT_ID)  # a full re-merge reads every CDC file again
+    table.upsert()
+    held = table.catalog.load_table(table.spec.quarantine_identifier).scan().to_arrow()
+    assert held.num_rows == 2
+    assert sorted(held.column("source_log").to_pylist()) == ["backfill-1", "orders-writer"]
