@@ -108,7 +108,6 @@ def test_two_records_are_the_same_only_in_the_same_log_and_a_row_without_one_mat
     assert records_by_log(new) == {"a": 2, "b": 1, "unknown": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 §1: the quarantine identifies a change by key, op, event time and position, not its log")
 def test_unfit_changes_of_two_logs_at_one_position_are_both_quarantined(tmp_path):
     """Two writer ids each commit an unfit change (an amount that is no number) of key 3 at position 3 and the same
     event time, each merged by an upsert of its own. Both are changes of their own logs: the quarantine holds both,
