@@ -10,7 +10,6 @@ real Dagster instance (its asset events recorded as the daemon records them).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -18,22 +17,19 @@ import sys
 import time
 
 import pytest
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, build_sensor_context
+from dagster import DagsterInstance
 
 from partfin_assets.finalization.late_acks import acks_of, unacknowledged
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.model.timeutil import parse_iso, to_us
-from partfin_assets.sources.synthetic import ORDERS_SPEC
 from partfin_assets_tests.scenario_helpers import append_lines, change, ms, partfin
+from partfin_assets_tests.test_downstream_reproducible import H1_KEY, HOURS, Pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
-HOURS = ["2026-11-01T00:00:00Z", "2026-11-01T01:00:00Z", "2026-11-01T02:00:00Z", "2026-11-01T03:00:00Z"]
-H1_KEY = "2026-11-01-01:00"
 H1_US = to_us(parse_iso(HOURS[1]))
-FINALIZED = AssetKey(["finalized", "orders"])
 CRASH_AFTER_COMMIT = {"PARTFIN_CRASH_AT": "after-commit:1"}
 
 
@@ -41,25 +37,19 @@ def late_lines(first_key: int, count: int, minute: int) -> list[str]:
     return [change("c", first_key + i, ms(HOURS[1]) + (minute + i) * 60_000, status="paid", wrapped=True) for i in range(count)]
 
 
-class Operator:
-    """A table fed by `partfin ingest` from Debezium files, merged by `partfin upsert`; the finalization sensor."""
+class Operator(Pipeline):
+    """A table fed by `partfin ingest` from a Debezium file, merged by `partfin upsert`; the finalization sensor."""
 
     def __init__(self, tmp_path, instance):
-        from partfin_assets.defs import build_definitions
-        from partfin_assets.defs.tables import PartfinTable
-
         self.home = tmp_path / "home"
-        self.main = tmp_path / "orders.jsonl"
+        path = tmp_path / "orders.jsonl"
         for n, hour in enumerate(HOURS):  # in the schema envelope: `partfin upsert` learns the column types
-            append_lines(self.main, [change("c", 100 * n + i, ms(hour) + int(i * 2.5 * 60_000), status="paid", wrapped=True)
-                                     for i in range(1, 21)])
-        self.instance = instance
-        spec = dataclasses.replace(ORDERS_SPEC, watermark_policy="min-of-last:2")
-        self.defs = build_definitions([PartfinTable(spec=spec, source=f"debezium:{self.main}")])
-        self.cursor = None
+            append_lines(path, [change("c", 100 * n + i, ms(hour) + int(i * 2.5 * 60_000), status="paid", wrapped=True)
+                                for i in range(1, 21)])
+        super().__init__(path, instance)
 
-    def ingest(self, path=None, writer: str = "orders-writer", env: dict | None = None, crash: bool = False) -> None:
-        done = partfin(self.home, "ingest", "--table", "orders", "--source", f"debezium:{path or self.main}", "--primary-key", "id",
+    def ingest(self, path=None, writer: str = "orders-writer", crash: bool = False) -> None:
+        done = partfin(self.home, "ingest", "--table", "orders", "--source", f"debezium:{path or self.path}", "--primary-key", "id",
                        "--writer-id", writer, "--checkpoint-records", "10", env_extra=CRASH_AFTER_COMMIT if crash else None)
         assert done.returncode == (-signal.SIGKILL if crash else 0), done.stderr
 
@@ -67,29 +57,15 @@ class Operator:
         """`partfin ingest --follow` of the table's own file, running until SIGINT."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")} | {"PARTFIN_HOME": str(self.home)}
         return subprocess.Popen([sys.executable, "-m", "partfin_assets.cli", "ingest", "--table", "orders", "--source",
-                                 f"debezium:{self.main}", "--primary-key", "id", "--checkpoint-records", "10", "--follow"],
+                                 f"debezium:{self.path}", "--primary-key", "id", "--checkpoint-records", "10", "--follow"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def upsert(self) -> None:
         done = partfin(self.home, "upsert", "--table", "orders")
         assert done.returncode == 0, done.stderr
 
-    def tick(self):
-        """One tick of finalize_orders_sensor."""
-        sensor = self.defs.resolve_sensor_def("finalize_orders_sensor")
-        resources = self.defs.get_repository_def().get_top_level_resources()
-        with build_sensor_context(instance=self.instance, cursor=self.cursor, resources=resources) as ctx:
-            result = sensor(ctx)
-        for event in result.asset_events or []:
-            self.instance.report_runless_asset_event(event)
-        self.cursor = result.cursor
-        return result
-
     def amendments(self, partition_key: str) -> list[dict]:
-        records = self.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=FINALIZED, asset_partitions=[partition_key]), limit=100, ascending=True).records
-        events = [{k: v.value for k, v in r.event_log_entry.asset_materialization.metadata.items()} for r in records]
-        return [e for e in events if e["amendment"]]
+        return [e for e in self.events(partition_key) if e["amendment"]]
 
 
 @pytest.fixture
@@ -101,7 +77,7 @@ def operator(tmp_path, monkeypatch):
         op = Operator(tmp_path, instance)
         op.ingest()
         op.upsert()
-        first = op.tick()
+        first = op.finalization_tick()
         assert H1_KEY in {r.partition_key for r in first.run_requests}  # H1 is final and was requested
         yield op
 
@@ -111,14 +87,14 @@ def test_late_records_merged_before_their_ledger_rows_get_one_amendment(operator
     them, the sensor ticks, then the next writer start records the ledger rows and the sensor ticks again.
     Before: no amendment at all (the first tick moved the cursor past the commit, the second no longer looked)."""
     op = operator
-    append_lines(op.main, late_lines(5000, 2, minute=30))
+    append_lines(op.path, late_lines(5000, 2, minute=30))
     op.ingest(crash=True)
     catalog = load_partfin_catalog(op.home)
     assert read_ledger(catalog, "cdc.orders")["late_records"].sum() == 0  # not in the ledger yet
     op.upsert()  # base carries the late records now
-    ticks = [op.tick()]
+    ticks = [op.finalization_tick()]
     op.ingest()  # the next writer start records the crashed run's ledger rows
-    ticks += [op.tick(), op.tick()]
+    ticks += [op.finalization_tick(), op.finalization_tick()]
     amendments = op.amendments(H1_KEY)
     reruns = [r for t in ticks for r in t.run_requests if r.partition_key == H1_KEY]
     print(f"late records merged before their ledger rows: {len(amendments)} amendment(s) of H1 "
@@ -138,7 +114,7 @@ def test_an_acknowledgement_covers_exactly_the_late_records_it_was_shown(operato
         backfill = tmp_path / "backfill.jsonl"
         append_lines(backfill, late_lines(6000, 2, minute=20))
         op.ingest(backfill, writer="backfill-1", crash=True)
-        append_lines(op.main, late_lines(7000, 1, minute=40))
+        append_lines(op.path, late_lines(7000, 1, minute=40))
         catalog = load_partfin_catalog(op.home)
         while read_ledger(catalog, "cdc.orders")["late_records"].sum() < 1:  # the follower recorded its late checkpoint
             assert follower.poll() is None, follower.communicate()
@@ -163,16 +139,16 @@ def test_late_records_acknowledged_before_the_sensor_sees_them_get_no_rerun_late
     """Late records for H1 are merged and acknowledged before the sensor's next tick: no re-run (the owners said none is
     needed), whatever the tick order; a late record after the acknowledgement gets exactly one amendment, of itself."""
     op = operator
-    append_lines(op.main, late_lines(5000, 2, minute=30))
+    append_lines(op.path, late_lines(5000, 2, minute=30))
     op.ingest()
     op.upsert()
     ack = partfin(op.home, "late-data", "ack", "--table", "orders", "--hour", H1_KEY, "--reason", "refunds, reconciled")
     assert ack.returncode == 0 and " 2 late record(s) acknowledged" in ack.stdout, ack.stdout + ack.stderr
-    quiet = [r for t in (op.tick(), op.tick()) for r in t.run_requests if r.partition_key == H1_KEY]
-    append_lines(op.main, late_lines(5100, 1, minute=50))
+    quiet = [r for t in (op.finalization_tick(), op.finalization_tick()) for r in t.run_requests if r.partition_key == H1_KEY]
+    append_lines(op.path, late_lines(5100, 1, minute=50))
     op.ingest()
     op.upsert()
-    later = [r for t in (op.tick(), op.tick()) for r in t.run_requests if r.partition_key == H1_KEY]
+    later = [r for t in (op.finalization_tick(), op.finalization_tick()) for r in t.run_requests if r.partition_key == H1_KEY]
     amendments = op.amendments(H1_KEY)
     print(f"acknowledged before the sensor: {len(quiet)} re-run(s); a late record after it: {len(later)} re-run(s), "
           f"amendments {[a['late_records'] for a in amendments]}")
