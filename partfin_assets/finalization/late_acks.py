@@ -6,9 +6,13 @@ re-running the hour, its owners may acknowledge them (`partfin late-data ack`, o
 property of cdc.<table> per hour, `partfin.late-data.ack.<hour>` (one key per hour, so two
 acknowledgements of different hours never overwrite each other), set through the commit layer.
 
-An acknowledgement covers the late records known when it was given: the hour's late commits up to
-the newest one then (its cdc sequence number). Late records that reach the hour afterwards are not
-covered, and raise the WARN again until the hour is re-run or acknowledged again.
+An acknowledgement covers exactly the late records it was shown: the hour's late commits up to the
+newest one then (its cdc sequence number), of which it records the count. It is shown every late
+commit up to that one, whether or not its writer has recorded it in the ledger yet (`late_data`
+reads the commits the ledger does not hold yet from their snapshots), so no late commit with a lower
+sequence number can turn up after it. Late records that reach the hour afterwards are not covered,
+and raise the WARN again until the hour is re-run or acknowledged again; the finalization sensor
+requests no re-run for late records an acknowledgement covers.
 """
 
 from __future__ import annotations
@@ -70,6 +74,16 @@ def unacknowledged(entry: LateHour, commits: Sequence[LateCommit], acks: Mapping
     """`commits` (late commits of the hour of `entry`) that no acknowledgement of that hour covers."""
     ack = acks.get(entry.hour_us)
     return [c for c in commits if ack is None or not ack.covers(c)]
+
+
+def unacknowledged_late(late: Mapping[int, LateHour], acks: Mapping[int, LateAck]) -> dict[int, LateHour]:
+    """`late` without the late commits an acknowledgement covers (hours left with none: dropped)."""
+    out = {}
+    for hour, entry in late.items():
+        commits = unacknowledged(entry, entry.commits, acks)
+        if commits:
+            out[hour] = LateHour(hour, sum(c.records for c in commits), tuple(commits))
+    return out
 
 
 def acknowledged_hours(late: Mapping[int, LateHour], acks: Mapping[int, LateAck]) -> dict[int, LateAck]:

@@ -1,8 +1,17 @@
 """Late data per hour, from the durable late-data ledger (iceberg/ledger.py), and watermark history.
 
 Every reader of late counts -- the late_data and late_data_after_run checks, `partfin status`,
-the Dagster metadata -- goes through `late_data` here, so they agree, and
-keep agreeing after the snapshots that carried the late records expired.
+the finalization sensor's amendments, acknowledgements, the Dagster metadata -- goes through
+`late_data` here, so they agree, and keep agreeing after the snapshots that carried the late
+records expired.
+
+It sees every late record committed, whenever its ledger row is written: a writer records its
+rows after its commits (a few checkpoints at a time; a killed one only when the next writer
+start reconciles), so `late_data` adds the late records of the retained commits the ledger does
+not hold yet, read from their snapshot summaries. The cdc table is read before the ledger: a
+commit that expires in between was recorded first (reconcile runs before every expiry), so no
+commit falls between the two reads. Hence an amendment, or an acknowledgement, never misses a
+late record base already carries.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import polars as pl
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import And, BooleanExpression, GreaterThan, LessThanOrEqual
 
-from partfin_assets.iceberg.ledger import read_ledger
+from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.iceberg.ledger import read_ledger, retained_late_rows
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import parse_iso, to_us
 
@@ -49,16 +59,23 @@ LATE_COLUMNS = ("snapshot_id", "sequence_number", "commit_time", "hour", "late_r
 def late_data(
     catalog: Catalog, cdc_identifier: str, *, after_sequence: int | None = None, up_to_sequence: int | None = None
 ) -> dict[int, LateHour]:
-    """Late records per hour over the table's whole history (its ledger), with the commits that brought them.
+    """Late records per hour over the table's whole history (its ledger, and the retained commits it does not hold
+    yet), with the commits that brought them.
 
     With `after_sequence` / `up_to_sequence`: only the commits of cdc sequence numbers in that window.
     """
+    cdc = load_table_if_exists(catalog, cdc_identifier)  # first: see the module docstring
     row_filter: BooleanExpression = GreaterThan("late_records", 0)
     if after_sequence is not None:
         row_filter = And(row_filter, GreaterThan("sequence_number", after_sequence))
     if up_to_sequence is not None:
         row_filter = And(row_filter, LessThanOrEqual("sequence_number", up_to_sequence))
-    return late_by_hour_of(read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS, row_filter=row_filter))
+    recorded = read_ledger(catalog, cdc_identifier, columns=LATE_COLUMNS, row_filter=row_filter)
+    if cdc is None:
+        return late_by_hour_of(recorded)
+    retained = retained_late_rows(cdc, after_sequence=after_sequence, up_to_sequence=up_to_sequence).select(LATE_COLUMNS)
+    not_yet_recorded = retained.filter(~pl.col("snapshot_id").is_in(recorded["snapshot_id"].unique().implode()))
+    return late_by_hour_of(pl.concat([recorded, not_yet_recorded.cast(recorded.schema)]))
 
 
 def late_by_hour_of(ledger: pl.DataFrame) -> dict[int, LateHour]:

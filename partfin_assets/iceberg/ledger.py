@@ -71,6 +71,7 @@ __all__ = [
     "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "dotted_identifier",
     "ensure_ledger_table", "ledger_commit_stats",
     "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
+    "retained_late_rows",
 ]
 
 
@@ -375,6 +376,34 @@ def dotted_identifier(table: Table) -> str:
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def retained_late_rows(cdc: Table, *, after_sequence: int | None = None, up_to_sequence: int | None = None) -> pl.DataFrame:
+    """Ledger rows of the late records of `cdc`'s retained checkpoints and replays (of sequence numbers in the
+    window, if given), built from their snapshot summaries alone: the late-record columns (`snapshot_id`,
+    `sequence_number`, `commit_time`, `hour`, `late_records`) as the ledger holds them or will once their writer
+    (or `reconcile`) records them; `records` and the digests are not known here (0, null).
+
+    A writer records its rows after its commits, a few at a time, and a crashed one only at the next
+    `reconcile`: readers that must not miss a late record (finalization/late_data.py) add these to the
+    ledger's rows. Commits that expired are in the ledger already (reconcile runs before every expiry).
+    """
+    rows = []
+    for snapshot in lineage(cdc.metadata):
+        sequence = snapshot.sequence_number
+        if after_sequence is not None and sequence is not None and sequence <= after_sequence:
+            break  # the lineage goes newest first
+        if up_to_sequence is not None and sequence is not None and sequence > up_to_sequence:
+            continue
+        entry = ledger_entry(snapshot)
+        if entry is None or K.LATE_RECORDS_BY_HOUR not in summary_of(snapshot):
+            continue
+        checkpoint = Checkpoint.of_commit(*entry, snapshot)
+        rows += [_row(checkpoint, hour, 0, late) for hour, late in checkpoint.late_by_hour.items() if late > 0]
+    frame = pl.from_arrow(_table(rows))
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
 
 
 def read_ledger(

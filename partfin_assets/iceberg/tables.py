@@ -152,8 +152,8 @@ def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partiti
         pass  # another writer created it first
 
 
-# base.<table>__rejected: CDC changes the upsert could not decode, each once (by key, op, event time
-# and source position), with the column and reason and the CDC snapshot it was found at.
+# base.<table>__rejected: CDC changes the upsert could not decode, each once (by change log, position and
+# key: model/records.py RECORD_IDENTITY), with the column and reason and the CDC snapshot it was found at.
 QUARANTINE_SCHEMA = Schema(
     NestedField(1, "key", StringType(), required=True),
     NestedField(2, "op", StringType(), required=True),
@@ -163,12 +163,14 @@ QUARANTINE_SCHEMA = Schema(
     NestedField(6, "column", StringType(), required=False),
     NestedField(7, "reason", StringType(), required=True),
     NestedField(8, "cdc_snapshot_id", LongType(), required=True),
+    NestedField(9, "source_log", StringType(), required=False),  # the change log source_seq is a position in; null: unknown
 )
 
 
 def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "base")
     _create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    _add_missing_columns(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA)
     return catalog.load_table(spec.quarantine_identifier)
 
 

@@ -8,6 +8,8 @@ seed, options and anchor; a Debezium file is read again only if it is the same f
 and the bytes up to the offset have the recorded crc32. A source that cannot read its history
 again (a replication slot holds only what was not ingested yet) is refused with
 `ReplayNotPossible`; so is a changed file. `replay_hour` takes the records from the caller.
+Every writer id is a change log of its own: the replay reads each writer's history and writes its
+records under that log, so an hour several logs wrote comes back with every record of each.
 
 What a replay replaces: what the hour held when the replay started, re-derived on the head
 its commit lands on (Job.commit_overwrite): records that writers appended to the hour after
@@ -22,7 +24,7 @@ Watermark and stats semantics (the policy skips commits without event-time stats
   watermark policy skips it when looking back X commits and snapshot expiry does
   not count it as one of those X. Its own stats go under `partfin.replay.*`
   (records, min/max event time, records added / removed / kept compared with the
-  hour it replaced, the history it read) plus the per-hour entry
+  hour it replaced, the same per change log, the history it read) plus the per-hour entry
   `partfin.event-time.by-hour` that partition metadata reads.
 - It never sets `partfin.watermark`: the watermark cannot move, back or forward.
   The summary records the watermark in force (`partfin.watermark`) unchanged, so
@@ -31,13 +33,14 @@ Watermark and stats semantics (the policy skips commits without event-time stats
   the watermark (finalized, or partly so) are late data exactly like late CDC
   records: counted in `partfin.late-records`, `partfin.late-records.by-hour` and
   the running `partfin.late-records.total`, so the late-data check and
-  `late_after_run` flag the downstream hour. Records merely rewritten (same key and
-  source position as before) are not late. All of this is re-derived on every
+  `late_after_run` flag the downstream hour. Records merely rewritten (the same record:
+  same change log, position and key, model/records.py RECORD_IDENTITY) are not late. All of this is re-derived on every
   commit attempt against the head the commit lands on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +58,9 @@ from partfin_assets.iceberg.ledger import reconcile
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, SOURCE_LOG, cdc_records, with_source_log
+from partfin_assets.model.records import (
+    CDC_RECORD_SCHEMA, RECORD_IDENTITY, SOURCE_LOG, cdc_records, records_by_log, records_not_in, with_source_log,
+)
 from partfin_assets.model.source_identity import ReplayNotPossible, SourceChanged
 from partfin_assets.model.stats import EventTimeProfile, compact_json, encode_by_hour
 from partfin_assets.model.summary_keys import JobKind
@@ -80,7 +85,7 @@ class ReplayResult:
     snapshot_id: int | None
     records: int  # the hour after the replay
     replaced_records: int  # records the replay replaced (what the hour held when it started, at the head it landed on)
-    added_records: int  # not there before (key + source_seq)
+    added_records: int  # not there before (a record is its log and its position in it: records.py RECORD_IDENTITY)
     removed_records: int
     late_records: int  # added records below the watermark
     ignored_outside_hour: int  # records given that were not in the hour
@@ -88,6 +93,7 @@ class ReplayResult:
     history: str | None = None  # JSON [{"source", "until"}]: the recorded history read (None: records given)
     already_committed: bool = False
     attempts: int = 1
+    by_log: dict[str, dict[str, int]] | None = None  # change log -> {"records", "added", "removed"} of the replayed hour
 
     def metadata(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -130,7 +136,10 @@ def replay_hour_from_history(
 
 
 def _recorded_history(table: Table, name: str, hour_us: int, max_records: int) -> tuple[pa.Table, str]:
-    """The records of the hour in every writer's recorded history, up to its committed offset at `table`."""
+    """The records of the hour in every writer's recorded history, up to its committed offset at `table`.
+
+    Each writer id is a change log of its own: its records are the hour's records of that log, whatever
+    positions other logs hold (two files' line 7 are two records)."""
     refusal = f"cannot replay hour {iso_z(hour_us)} of cdc.{name}"
     positions = [p for p in writer_positions(table.metadata) if p.source_offset is not None]
     if not positions:
@@ -161,10 +170,6 @@ def _recorded_history(table: Table, name: str, hour_us: int, max_records: int) -
             raise ReplayNotPossible(f"{refusal}: {exc}; restore what the writer read to replay it") from None
         read.append({"source": identity.spec, "until": position.source_offset})
     rows = pa.concat_tables(parts) if parts else with_source_log(CDC_RECORD_SCHEMA.empty_table(), None)
-    if len(positions) > 1:  # writers of one history read the same records
-        frame = pl.from_arrow(rows)
-        assert isinstance(frame, pl.DataFrame)
-        rows = frame.unique(subset=["key", "source_seq"], keep="first", maintain_order=True).to_arrow().cast(rows.schema)
     return rows, compact_json(read)
 
 
@@ -184,9 +189,16 @@ def _cdc_rows(records: pa.Table) -> pa.Table:
 
 
 def _identities(rows: pa.Table) -> pl.DataFrame:
-    frame = pl.from_arrow(rows.select(["key", "source_seq"]))
+    frame = pl.from_arrow(rows.select(list(RECORD_IDENTITY)))
     assert isinstance(frame, pl.DataFrame)
     return frame
+
+
+def _by_log(new: pl.DataFrame, added: pl.DataFrame, removed: pl.DataFrame) -> dict[str, dict[str, int]]:
+    """Per change log: the records the replay wrote, and those it added and removed."""
+    figures = {"records": records_by_log(new), "added": records_by_log(added), "removed": records_by_log(removed)}
+    logs = sorted(set().union(*figures.values()))
+    return {log: {name: counts.get(log, 0) for name, counts in figures.items()} for log in logs}
 
 
 def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | None]], force: bool) -> ReplayResult:
@@ -199,6 +211,7 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
             int(summary.get(K.REPLAY_REPLACED_RECORDS, "0")), int(summary.get(K.REPLAY_ADDED_RECORDS, "0")),
             int(summary.get(K.REPLAY_REMOVED_RECORDS, "0")), int(summary.get(K.LATE_RECORDS, "0")), 0,
             int(summary.get(K.REPLAY_KEPT_RECORDS, "0")), summary.get(K.REPLAY_SOURCE), already_committed=True,
+            by_log=json.loads(summary[K.REPLAY_BY_LOG]) if K.REPLAY_BY_LOG in summary else None,
         )
     records, history = read()
     records = _cdc_rows(records)
@@ -210,13 +223,15 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
     new_ids = _identities(rows)
     times = pc.cast(rows.column("event_time"), pa.int64()).to_numpy()
     facts: dict[str, int] = {}
+    logs: dict[str, dict[str, int]] = {}
 
     def summary_at(head: Table) -> dict[str, str]:
         replaced, kept = job.overwrite_split(head)
         old = read_files(head, replaced)
         old_ids = _identities(old)
-        added = new_ids.join(old_ids, on=["key", "source_seq"], how="anti").height
-        removed = old_ids.join(new_ids, on=["key", "source_seq"], how="anti").height
+        added_ids, removed_ids = records_not_in(new_ids, old_ids), records_not_in(old_ids, new_ids)
+        added, removed = added_ids.height, removed_ids.height
+        by_log = _by_log(new_ids, added_ids, removed_ids)
         kept_records = sum(f.record_count for f in kept)
         if not force and removed - added > MAX_NET_LOSS_FRACTION * old.num_rows:
             raise ReplayRefused(
@@ -227,12 +242,15 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
         watermark = watermark_of(head.properties)
         late = added if watermark is not None and hour_us < watermark else 0
         facts.update(replaced=old.num_rows, added=added, removed=removed, late=late, kept=kept_records)
+        logs.clear()
+        logs.update(by_log)
         out = {
             K.REPLAY_HOUR: iso_z(hour_us),
             K.REPLAY_RECORDS: str(rows.num_rows + kept_records),
             K.REPLAY_REPLACED_RECORDS: str(old.num_rows),
             K.REPLAY_ADDED_RECORDS: str(added),
             K.REPLAY_REMOVED_RECORDS: str(removed),
+            K.REPLAY_BY_LOG: compact_json(by_log),
             K.REPLAY_KEPT_RECORDS: str(kept_records),
             K.LATE_RECORDS: str(late),
             K.LATE_RECORDS_TOTAL: str(late_records_total(head.metadata) + late),
@@ -254,8 +272,8 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
     result = ReplayResult(
         identifier, iso_z(hour_us), job.job_id, committed.snapshot_id, rows.num_rows + facts.get("kept", 0),
         facts.get("replaced", 0), facts.get("added", 0), facts.get("removed", 0), facts.get("late", 0), ignored,
-        facts.get("kept", 0), history, attempts=committed.attempts,
+        facts.get("kept", 0), history, attempts=committed.attempts, by_log=dict(logs),
     )
-    log.info("%s: replayed hour %s (%d records, %d added, %d removed, %d kept, %d late)", identifier, result.hour,
-             result.records, result.added_records, result.removed_records, result.kept_records, result.late_records)
+    log.info("%s: replayed hour %s (%d records, %d added, %d removed, %d kept, %d late; per log %s)", identifier, result.hour,
+             result.records, result.added_records, result.removed_records, result.kept_records, result.late_records, result.by_log)
     return result

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
+import polars as pl
 import pyarrow as pa
 
 from partfin_assets.model.source_identity import IdentifiedSource
@@ -71,6 +72,32 @@ def with_source_log(records: pa.Table, log: str | None) -> pa.Table:
     if SOURCE_LOG in records.schema.names:
         return records
     return records.append_column(pa.field(SOURCE_LOG, pa.string(), nullable=True), pa.array([log] * records.num_rows, pa.string()))
+
+
+# A record's identity: its change log and its position in that log (with its key). Positions of two logs
+# are unrelated (line 7 of one file is not line 7 of another), so two records are the same record only
+# when their logs and positions are; every comparison of records (a replay's added / removed, what the
+# ledger and the late-data count record for it) uses this. A row whose log is unknown (null: written
+# before partfin kept it) is matched by position and key alone.
+RECORD_POSITION = ("key", "source_seq")
+RECORD_IDENTITY = (SOURCE_LOG, *RECORD_POSITION)
+UNKNOWN_LOG = "unknown"  # how a report names the log of such a row
+
+
+def records_not_in(rows: pl.DataFrame, other: pl.DataFrame) -> pl.DataFrame:
+    """The rows of `rows` (holding RECORD_IDENTITY) that are no record of `other` (see RECORD_IDENTITY)."""
+    log = pl.col(SOURCE_LOG).is_null()
+    position = list(RECORD_POSITION)
+    known = rows.filter(~log).join(other.filter(~log).select(RECORD_IDENTITY), on=list(RECORD_IDENTITY), how="anti")
+    known = known.join(other.filter(log).select(position), on=position, how="anti")
+    unknown = rows.filter(log).join(other.select(position), on=position, how="anti")
+    return pl.concat([known, unknown])
+
+
+def records_by_log(rows: pl.DataFrame) -> dict[str, int]:
+    """How many of `rows` each change log holds (UNKNOWN_LOG: rows without one)."""
+    counts = rows.group_by(SOURCE_LOG).len()
+    return {(log if log is not None else UNKNOWN_LOG): int(n) for log, n in counts.iter_rows()}
 
 REJECTED_RECORD_SCHEMA = pa.schema(
     [

@@ -11,10 +11,12 @@ walks the hours from its cursor up to that watermark in order:
   snapshot, for other teams' sensors; emitted only for hours not recorded yet, so a repeated tick
   does not emit it twice.
 
-When base merged new cdc commits since the last tick, the late-data ledger says whether late
-records reached hours already requested; each such hour gets an *amendment* event (`amendment:
-true`, `late_records`, the base snapshot that carries them) and a re-run, run_key
-`<table>:<hour>:amendment:<base snapshot id>`.
+When base merged new cdc commits since the last tick, the late data of those commits says whether
+late records reached hours already requested (finalization/late_data.py: the ledger, and the commits
+whose ledger rows their writer has not written yet, so the cursor never passes one unseen); each such
+hour gets an *amendment* event (`amendment: true`, `late_records`, the base snapshot that carries
+them) and a re-run, run_key `<table>:<hour>:amendment:<base snapshot id>`, unless an acknowledgement
+covers those late records (`partfin late-data ack`: no re-run needed).
 
 The sensor targets both assets it drives (`finalized/<table>` and the downstream asset), so both
 asset pages list it under Automations; its runs are runs of the downstream asset (Dagster's implicit
@@ -41,9 +43,10 @@ from dagster import (
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
+from partfin_assets.finalization.late_acks import acks_of, unacknowledged_late
 from partfin_assets.finalization.late_data import LateHour, late_data
 from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
-from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.iceberg.catalog import load_existing_table, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
@@ -174,11 +177,15 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
 
 
 def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: FinalizationCursor, position: BasePosition) -> dict[int, LateHour]:
-    """Hours already requested whose late records base merged since the last tick (read from the late-data ledger
-    only when base merged new cdc commits), minus those the hour's newest event already saw."""
+    """Hours already requested whose late records base merged since the last tick (read only when base merged new cdc
+    commits; `late_data` sees them whether or not their ledger rows are written yet), minus those the hour's newest
+    event already saw and those an acknowledgement covers."""
     if cursor.merged_sequence is None or position.cdc_sequence_number is None or position.cdc_sequence_number <= cursor.merged_sequence:
         return {}
-    late = late_data(iceberg, f"cdc.{table.name}", after_sequence=cursor.merged_sequence, up_to_sequence=position.cdc_sequence_number)
+    identifier = f"cdc.{table.name}"
+    late = late_data(iceberg, identifier, after_sequence=cursor.merged_sequence, up_to_sequence=position.cdc_sequence_number)
+    if late:
+        late = unacknowledged_late(late, acks_of(load_existing_table(iceberg, identifier).properties))
     handled = [hour for hour in late if table.start_us <= hour < cursor.next_hour_us]
     seen = {}
     for hour in handled:

@@ -45,7 +45,8 @@ def cdc_pool(table: PartfinTable) -> str:
 def replay_metadata(iceberg, name: str, hour_us: int, result: ReplayResult) -> dict:
     """The partition metadata of the replayed hour (the hour's totals, as the sync job reports them) plus the
     replay's own figures: `replay_records` is what the hour holds after the replay; `added_records` /
-    `removed_records` compare it with what it held before (by key and source position)."""
+    `removed_records` compare it with what it held before (a record is its change log and its position in it), and
+    `by_log` gives the same per change log (writer id)."""
     cdc = iceberg.load_table(f"cdc.{name}")
     watermark = watermark_of(cdc.properties)
     (truth,) = hour_truths(read_ledger(iceberg, f"cdc.{name}"), [hour_us], watermark)
@@ -75,6 +76,6 @@ def replay_partition(context: AssetExecutionContext, table: PartfinTable, iceber
     context.log.info(
         f"replayed {iso_z(hour)} of cdc.{name} from {result.history}: {result.records} records ({result.added_records} "
         f"added, {result.removed_records} removed, {result.kept_records} appended meanwhile and kept, "
-        f"{result.late_records} late), snapshot {result.snapshot_id}"
+        f"{result.late_records} late; per change log {result.by_log}), snapshot {result.snapshot_id}"
     )
     return replay_metadata(iceberg, name, hour, result)

@@ -6,7 +6,8 @@ aside (jobs/upsert/decode.py) and merges the rest; this module appends the set-a
 base.<table>__rejected with their key, op, event time, source position, payload, the column and
 reason, and the CDC snapshot the run read, before the base commit.
 
-Exactly once: a change is identified by (key, op, event time, source position). The append
+Exactly once: a change is identified by its change log, its position in it and its key
+(model/records.py RECORD_IDENTITY; changes held before the log was kept match by position). The append
 skips changes the table already holds, checked inside the commit attempt on fresh metadata, so a
 run that crashed after quarantining, a re-run after a lost race, or a full re-merge that reads
 the same CDC files again never adds a change twice. The table holds only bad changes, so reading
@@ -24,10 +25,10 @@ from pyiceberg.table import Table
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.tables import QUARANTINE_SCHEMA, ensure_quarantine_table
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import RECORD_IDENTITY, records_not_in
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 
-_IDENTITY = ["key", "op", "event_time", "source_seq"]
 
 
 def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_snapshot_id: int) -> int:
@@ -57,8 +58,8 @@ def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_s
 def _not_yet_quarantined(table: Table, rows: pa.Table) -> pa.Table:
     if table.current_snapshot() is None:
         return rows
-    held = pl.from_arrow(table.scan(selected_fields=tuple(_IDENTITY)).to_arrow())
+    held = pl.from_arrow(table.scan(selected_fields=RECORD_IDENTITY).to_arrow())
     new = pl.from_arrow(rows)
     assert isinstance(held, pl.DataFrame) and isinstance(new, pl.DataFrame)
-    held = held.cast({c: new.schema[c] for c in _IDENTITY})
-    return new.join(held, on=_IDENTITY, how="anti", nulls_equal=True).to_arrow()
+    held = held.cast({c: new.schema[c] for c in RECORD_IDENTITY})
+    return records_not_in(new, held).to_arrow()
