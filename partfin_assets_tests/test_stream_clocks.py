@@ -11,29 +11,14 @@ delivers nothing: each run moves the watermark exactly as far as the partitions'
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
-from partfin_assets_tests.cdc_files import HOUR_MS, orders_lines, partfin, stream_of, write_lines
+from partfin_assets_tests.cdc_files import partfin
 from partfin_assets_tests.postgres_cluster import libfaketime
-
-T10_MS = int(datetime(2026, 11, 20, 10, tzinfo=UTC).timestamp() * 1000)
-T15_MS = int(datetime(2026, 11, 20, 15, tzinfo=UTC).timestamp() * 1000)
-
-
-def _status(home) -> dict:
-    result = partfin(home, "status", "--json")
-    assert result.returncode == 0, result.stderr
-    return next(t for t in json.loads(result.stdout)["tables"] if t["name"] == "cdc.orders")
-
-
-def _late_of_last_run(stderr: str) -> int:
-    """Late records the ingest's progress lines report (the last line carries the run's total)."""
-    lines = [line for line in stderr.splitlines() if " late " in line]
-    return int(lines[-1].split(" late ")[1].split()[0].replace(",", "")) if lines else 0
+from partfin_assets_tests.test_progress_streams import _status, a_pauses_while_b_commits
 
 
 def _clock_ahead(offset: str) -> dict[str, str]:
@@ -44,7 +29,6 @@ def _clock_ahead(offset: str) -> dict[str, str]:
     return {"LD_PRELOAD": str(library), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 §3: silence is judged with the committing writer's own clock")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ahead,ahead_s", [("+2h", 7200), ("+20m", 1200)])
 def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_active_writer(tmp_path, monkeypatch, ahead, ahead_s):
@@ -53,21 +37,7 @@ def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_ac
     watermark must stay at 10:00 and `a`'s next records must not be late. Before: `b` measured `a`'s silence
     with its own clock (2 h or 20 min), called `a` idle and moved the watermark to 16:00."""
     home = tmp_path / "home"
-    file_a, file_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    seen: set[int] = set()
-    write_lines(file_a, orders_lines(*stream_of(T10_MS, T10_MS + 3 * HOUR_MS, 3_000, seed=1), seed=1, seen=seen))
-    write_lines(file_b, orders_lines(*stream_of(T15_MS, T15_MS + 2 * HOUR_MS, 2_000, seed=2), seed=2, seen=seen))
-    common = ["ingest", "--table", "orders", "--primary-key", "id", "--checkpoint-records", "250"]
-    ingest_a = [*common, "--source", f"debezium:{file_a}", "--writer-id", "a"]
-
-    first = partfin(home, *ingest_a, "--max-checkpoints", "2")
-    assert first.returncode == 0, first.stderr
-    second = partfin(home, *common, "--source", f"debezium:{file_b}", "--writer-id", "b", **_clock_ahead(ahead))
-    assert second.returncode == 0, second.stderr
-    watermark_after_b = _status(home)["watermark"]
-    rest = partfin(home, *ingest_a)  # a goes on where it stopped
-    assert rest.returncode == 0, rest.stderr
-    late_of_a = _late_of_last_run(rest.stderr)
+    watermark_after_b, late_of_a = a_pauses_while_b_commits(tmp_path, home, **_clock_ahead(ahead))
     print(f"b's clock {ahead}: watermark {watermark_after_b} after b; a's remaining 2,500 records: {late_of_a:,} late")
     assert watermark_after_b <= "2026-11-20T10:00:00Z"
     assert late_of_a == 0
@@ -101,7 +71,6 @@ def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_ac
     assert clocks.metadata["disagreements"].value[0]["writer"] == "b"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 §3: event time is capped with the committing writer's own clock")
 def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
     """In process, with explicit clocks: `b` runs 2 h ahead and its source with it (event times up to its own
     'now'). Once `a` has committed after `b` and found b's clock ahead, b's commits cap event time at b's clock
@@ -115,13 +84,13 @@ def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
 
     now = [T0_US + 30 * HOUR_US + 30 * MINUTE_US]  # the true clock, 06:30 the next day
     ahead = 2 * HOUR_US
-    a = CdcWriter(catalog, ORDERS, writer_id="a", clock=lambda: from_us(now[0]))
-    b = CdcWriter(catalog, ORDERS, writer_id="b", clock=lambda: from_us(now[0] + ahead))
 
     def minutes_before(clock_us: int, n: int = 60):
         return [clock_us - n * MINUTE_US + i * MINUTE_US for i in range(n)]
 
+    a = CdcWriter(catalog, ORDERS, writer_id="a", clock=lambda: from_us(now[0]))
     a.write_checkpoint(change_batch(minutes_before(now[0]), offset="a0"))
+    b = CdcWriter(catalog, ORDERS, writer_id="b", clock=lambda: from_us(now[0] + ahead))
     b.write_checkpoint(change_batch(minutes_before(now[0] + ahead), offset="b0"))  # b's source follows b's clock
     now[0] += MINUTE_US
     a.write_checkpoint(change_batch(minutes_before(now[0], 5), offset="a1"))  # a finds b's commit clock 2 h ahead of its own
@@ -131,14 +100,13 @@ def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
         result = b.write_checkpoint(change_batch(minutes_before(now[0] + ahead, 20), offset=f"b{i + 1}"))
     watermark = catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK]
     print(f"b alone, 2 h ahead: watermark {watermark}, true now {iso_z(now[0])}, b's clock {iso_z(now[0] + ahead)}")
-    assert watermark <= iso_z(floor_hour_us(now[0]))
+    assert watermark == iso_z(floor_hour_us(now[0]))  # b's progress (07:00), capped at the hour begun on the slower clock
     assert K.SUSPECT_FUTURE in result.summary  # b's records from beyond the true clock + tolerance claim nothing
 
 
 # --------------------------------------------------------------------------- Kafka: per-partition streams
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 §1: each run re-registers the writer's own stream with no progress")
 @pytest.mark.timeout(600)
 def test_one_checkpoint_kafka_runs_move_the_watermark_as_far_as_the_partitions_allow(tmp_path, kafka_cluster):
     """A 2-partition topic: partition 1 delivered hours 0-3 and then nothing; partition 0 gets one more hour before
