@@ -265,6 +265,9 @@ def _status(args: argparse.Namespace) -> int:
         if s.rebucket:
             print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
                   f"`{s.rebucket}`, then compact")
+    for s in statuses:
+        for clock in s.clocks or []:
+            print(f"{s.name}: {clock['description']}")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")

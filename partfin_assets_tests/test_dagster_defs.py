@@ -68,7 +68,7 @@ def test_definitions_declare_three_layers_per_table():
         for name in (f"sync_{table.name}_sensor", f"finalize_{table.name}_sensor", f"checks_{table.name}_sensor"):
             assert sensors[name].default_status.value == "RUNNING"
         checks = {k.name for k in repo.asset_graph.asset_check_keys if k.asset_key == table.cdc_key}
-        assert checks == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
+        assert checks == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input", "writer_clocks"}
 
 
 CDC, BASE = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
@@ -145,7 +145,7 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
     # the checks ran in the sync run itself: the UI shows them on the latest materialization
     in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
-    assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input"}
+    assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input", "writer_clocks"}
     assert {c for k, c in in_run if k == BASE} == {"watermark_matches_merged_cdc_snapshot", "watermark_lag_vs_cdc",
                                                    "quarantined_changes"}
     in_run_late = in_run[(CDC, "late_data")]
@@ -234,6 +234,7 @@ def test_checks_warn_on_late_data_and_name_the_commits_that_brought_it(synced):
     assert not evaluations["watermark_fresh"].passed  # a 2026-01-01 stream is months old
     assert evaluations["late_data_after_run"].passed  # no downstream run yet
     assert evaluations["rejected_input"].passed and evaluations["quarantined_changes"].passed
+    assert evaluations["writer_clocks"].passed  # one writer: no clock to disagree with
 
 
 def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monkeypatch):

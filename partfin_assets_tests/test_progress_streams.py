@@ -29,25 +29,32 @@ def _late_of_last_run(stderr: str) -> int:
     return int(lines[-1].split(" late ")[1].split()[0].replace(",", "")) if lines else 0
 
 
-def test_a_second_writer_id_does_not_move_the_watermark_past_the_first_writers_data(tmp_path):
-    home = tmp_path / "home"
+def two_writers(tmp_path) -> tuple[list[str], list[str]]:
+    """`partfin ingest` arguments of writer `a` (3,000 records, 10:00-13:00) and `b` (2,000, 15:00-17:00)."""
     file_a, file_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     seen: set[int] = set()
     write_lines(file_a, orders_lines(*stream_of(T10_MS, T10_MS + 3 * HOUR_MS, 3_000, seed=1), seed=1, seen=seen))
     write_lines(file_b, orders_lines(*stream_of(T15_MS, T15_MS + 2 * HOUR_MS, 2_000, seed=2), seed=2, seen=seen))
-    ingest_a = ["ingest", "--table", "orders", "--source", f"debezium:{file_a}", "--primary-key", "id",
-                "--writer-id", "a", "--checkpoint-records", "250"]
-    ingest_b = ["ingest", "--table", "orders", "--source", f"debezium:{file_b}", "--primary-key", "id",
-                "--writer-id", "b", "--checkpoint-records", "250"]
+    common = ["ingest", "--table", "orders", "--primary-key", "id", "--checkpoint-records", "250"]
+    return [*common, "--source", f"debezium:{file_a}", "--writer-id", "a"], [*common, "--source", f"debezium:{file_b}", "--writer-id", "b"]
 
-    first = partfin(home, *ingest_a, "--max-checkpoints", "2")  # a committed 10:00 to about 10:30, then paused
+
+def a_pauses_while_b_commits(tmp_path, home, **b_env: str) -> tuple[str | None, int]:
+    """`a` commits two checkpoints (10:00 to about 10:30) and pauses while `b` (in environment `b_env`) commits all of
+    its own; then `a` goes on where it stopped. The watermark after b, and the late records of a's second run."""
+    ingest_a, ingest_b = two_writers(tmp_path)
+    first = partfin(home, *ingest_a, "--max-checkpoints", "2")
     assert first.returncode == 0, first.stderr
-    second = partfin(home, *ingest_b)
+    second = partfin(home, *ingest_b, **b_env)
     assert second.returncode == 0, second.stderr
     watermark_after_b = _status(home)["watermark"]
-    rest = partfin(home, *ingest_a)  # a goes on where it stopped
+    rest = partfin(home, *ingest_a)
     assert rest.returncode == 0, rest.stderr
-    late_of_a = _late_of_last_run(rest.stderr)
+    return watermark_after_b, _late_of_last_run(rest.stderr)
+
+
+def test_a_second_writer_id_does_not_move_the_watermark_past_the_first_writers_data(tmp_path):
+    watermark_after_b, late_of_a = a_pauses_while_b_commits(tmp_path, tmp_path / "home")
     print(f"two writer ids: watermark {watermark_after_b} after b; a's remaining 2,500 records: {late_of_a:,} late")
     assert watermark_after_b <= "2026-11-20T10:00:00Z"
     assert late_of_a == 0

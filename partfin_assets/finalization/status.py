@@ -13,7 +13,7 @@ from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import LEDGER_SUFFIX, bucket_load
-from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_position
+from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
@@ -34,6 +34,8 @@ class TableStatus:
     rejected: int = 0
     quarantined: int = 0
     streams: list[dict] | None = None  # cdc tables: the progress streams (stream_status)
+    # cdc tables: writers whose clock was found ahead of another writer's (iceberg/streams.py WriterClock.as_dict)
+    clocks: list[dict] | None = None
     # cdc tables: hours holding late records whose every late record is acknowledged (finalization/late_acks.py),
     # each {"hour", "late_records", "by", "at", "reason"}, and the other hours holding late records
     acknowledged_late_hours: list[dict] | None = None
@@ -76,6 +78,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         rejected=total_records(rejected) if rejected is not None and identifier.startswith("cdc.") else 0,
         quarantined=total_records(rejected) if rejected is not None and identifier.startswith("base.") else 0,
         streams=stream_status(table) if is_cdc else None,
+        clocks=[c.as_dict() for _, c in sorted(writer_clocks(properties).items())] if is_cdc else None,
         acknowledged_late_hours=[a.as_dict() for _, a in sorted(acknowledged.items())] if is_cdc else None,
         unacknowledged_late_hours=[iso_z(h) for h in sorted(late) if h not in acknowledged] if is_cdc else None,
         buckets=load.buckets if load is not None else None,
@@ -88,13 +91,14 @@ def stream_status(table: Table, now_us: int | None = None) -> list[dict]:
     """The progress streams of a cdc table, as `partfin streams list` shows them.
 
     state: `active` (holds the watermark), `idle` (committed nothing within the idle timeout of
-    now; it holds the watermark again from its next checkpoint) or `retired`.
+    now, on this host's clock; it holds the watermark again from its next checkpoint) or `retired`.
+    The writers themselves judge silence each on its own clock (iceberg/streams.py).
     """
     now_us = to_us(now_utc()) if now_us is None else now_us
     timeout = idle_timeout_us(table.properties)
     rows = []
     for stream_id, stream in sorted(streams_of(table.properties).items()):
-        state = "retired" if stream.retired else "idle" if stream.idle(now_us, timeout) else "active"
+        state = "retired" if stream.retired else "idle" if stream.idle(None, now_us, timeout) else "active"
         position = writer_position(table.metadata, stream.writer_id) if stream_id == stream.writer_id else None
         rows.append({
             "stream": stream_id,

@@ -4,7 +4,7 @@ The Dagster layer evaluates them twice: in the checks job, and inside every sync
 the materializations it reports (so the latest materialization of cdc/<table> and base/<table>
 always carries its check results). Both wrap the same `CheckOutcome`.
 
-cdc:  watermark_fresh, watermark_monotonic, late_data, rejected_input
+cdc:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
 base: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
 downstream: late_data_after_run (its inputs -- what each downstream run saw -- come from Dagster)
 """
@@ -22,6 +22,7 @@ from partfin_assets.finalization.late_acks import LateAck, acknowledged_hours, a
 from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
+from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, now_utc, to_us
 
@@ -210,3 +211,12 @@ def bad_input(catalog: Catalog, identifier: str, what: str) -> CheckOutcome:
     if not count:
         return CheckOutcome(True, f"{identifier} is empty", metadata=metadata)
     return CheckOutcome(False, f"{count} {what}: see {identifier} (with the reason of each)", WARN, metadata)
+
+
+def clock_disagreements(catalog: Catalog, name: str) -> CheckOutcome:
+    """WARN while a writer of cdc.<name> was found with its clock ahead of another's (iceberg/streams.py, "Clocks")."""
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    found = sorted(writer_clocks(cdc.properties).values(), key=lambda c: c.writer_id) if cdc is not None else []
+    if not found:
+        return CheckOutcome(True, f"no writer of cdc.{name} was found with a clock ahead of another's", metadata={"disagreements": []})
+    return CheckOutcome(False, "; ".join(c.describe() for c in found), WARN, {"disagreements": [c.as_dict() for c in found]})

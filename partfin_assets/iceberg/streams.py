@@ -7,27 +7,41 @@ only inside a commit that PyIceberg validates against the head it was built on:
   source position, set in the same commit as its checkpoint. A checkpoint commits only if the
   position it started from is still the one on the fresh metadata (compare-and-set): two
   processes with one writer id can never both commit from the same position.
-- `partfin.stream.<stream id>` = {"writer", "progress", "seen", "state"}: a *progress stream*,
-  something whose uncommitted data the watermark must not pass. Today one stream per writer
-  (stream id = writer id); a source with partitions (Kafka) adds one per partition
-  (`<writer id>/<partition>`), which is more entries, not another mechanism. `progress` is the
-  stream's own watermark candidate (hour aligned; null until its first stats-bearing commit),
-  `seen` the commit clock of its last checkpoint (or its registration), `state` active or
-  retired.
+- `partfin.stream.<stream id>` = {"writer", "progress", "seen", "state", "since"}: a *progress
+  stream*, something whose uncommitted data the watermark must not pass. One stream per writer
+  (stream id = writer id); a source with partitions (Kafka) has one per partition instead
+  (`<writer id>/<partition>`; the writer's own stream is then retired and never holds the
+  watermark), which is more entries, not another mechanism. `progress` is the stream's own
+  watermark candidate (hour aligned; null until its first stats-bearing commit), `seen` the
+  commit clock of its last checkpoint (or its registration), `state` active or retired, `since`
+  per other writer the clock of that writer's first commit that found this checkpoint.
+- `partfin.writer-clock.<writer id>` = {"ahead-of", "ahead-by-s", "found"}: the writer's clock was
+  found ahead of another writer's by at least that much (see below); absent while they agree.
 
 The table's watermark candidate is the minimum of `progress` over the *active* streams: not
-retired, and seen within the idle timeout (`partfin.streams.idle-timeout`, default 15m) of the
-committing checkpoint's clock. A stream registers when its writer starts, is retired explicitly
-(`partfin streams retire`), and counts as idle -- no longer holding the watermark -- once it has
-committed nothing (no data, no heartbeat) for the idle timeout; its next checkpoint makes it
-active again (its data may then be late, and is counted as such).
+retired, and not silent for the idle timeout (`partfin.streams.idle-timeout`, default 15m). A
+stream registers when its writer starts, is retired explicitly (`partfin streams retire`), and
+counts as idle -- no longer holding the watermark -- once it has committed nothing (no data, no
+heartbeat) for the idle timeout; its next checkpoint makes it active again (its data may then be
+late, and is counted as such).
+
+Clocks. Writers run on hosts whose clocks may disagree, so a stream's silence is never a
+difference of two writers' clocks: the committing writer measures it on its own clock, from its
+own first commit that found the stream's current checkpoint (`since`; a stream of its own
+writer: from `seen`, the same clock). Commits are serialized by the catalog, so that first commit
+came after the checkpoint, and the silence measured is never longer than the real one. The same
+first sight checks the clocks against each other: the checkpoint's `seen` lies before the commit
+that finds it, so `seen` beyond the finder's clock by more than the tolerance means the writer
+that recorded it runs ahead by at least that much (`partfin.writer-clock.<writer>`); a later
+first sight by that writer of the finder's checkpoint within the tolerance clears it. A writer
+found ahead judges event times with its clock less that lead (`trusted_clock_us`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from pyiceberg.catalog import Catalog
@@ -78,16 +92,21 @@ class Stream:
     stream_id: str
     writer_id: str
     progress_us: int | None  # the stream's watermark candidate; None: it claims nothing yet
-    seen_us: int  # commit clock of its last checkpoint, or of its registration
+    seen_us: int  # commit clock of its last checkpoint, or of its registration (its writer's clock)
     retired: bool = False
+    # other writer id -> that writer's clock at its first commit that found this checkpoint
+    since: Mapping[str, int] = field(default_factory=dict)
 
     def encode(self) -> str:
-        return compact_json({
+        entry = {
             "writer": self.writer_id,
             "progress": iso_z(self.progress_us) if self.progress_us is not None else None,
             "seen": iso_z(self.seen_us),
             "state": RETIRED if self.retired else ACTIVE,
-        })
+        }
+        if self.since:
+            entry["since"] = {writer: iso_z(us) for writer, us in sorted(self.since.items())}
+        return compact_json(entry)
 
     @classmethod
     def decode(cls, stream_id: str, text: str) -> Stream:
@@ -99,10 +118,26 @@ class Stream:
             to_us(parse_iso(progress)) if progress else None,
             to_us(parse_iso(entry["seen"])),
             entry.get("state") == RETIRED,
+            {writer: to_us(parse_iso(at)) for writer, at in entry.get("since", {}).items()},
         )
 
-    def idle(self, clock_us: int, idle_timeout_us: int) -> bool:
-        return clock_us - self.seen_us > idle_timeout_us
+    def silence_us(self, writer_id: str | None, clock_us: int) -> int:
+        """How long the stream has committed nothing, as writer `writer_id` measures it on its own clock at `clock_us`.
+
+        Its own writer: since `seen`. Another writer: since its first commit that found this
+        checkpoint (0 before it has one: this is it). None: a reader that commits nothing, on its clock.
+        """
+        if writer_id is None or writer_id == self.writer_id:
+            return clock_us - self.seen_us
+        found = self.since.get(writer_id)
+        return 0 if found is None else clock_us - found
+
+    def idle(self, writer_id: str | None, clock_us: int, idle_timeout_us: int) -> bool:
+        return self.silence_us(writer_id, clock_us) > idle_timeout_us
+
+    def checkpointed(self, progress_us: int | None, clock_us: int) -> Stream:
+        """The stream after a checkpoint of its own at `clock_us`: active, seen now, found by nobody yet."""
+        return replace(self, progress_us=progress_us, seen_us=clock_us, retired=False, since={})
 
 
 def streams_of(properties: Mapping[str, str]) -> dict[str, Stream]:
@@ -116,10 +151,9 @@ def idle_timeout_us(properties: Mapping[str, str]) -> int:
     return int(timeout.total_seconds() * US_PER_SECOND)
 
 
-def active_streams(properties: Mapping[str, str], clock_us: int) -> dict[str, Stream]:
-    """The streams that hold the watermark at `clock_us`: not retired, and not idle."""
-    timeout = idle_timeout_us(properties)
-    return {sid: s for sid, s in streams_of(properties).items() if not s.retired and not s.idle(clock_us, timeout)}
+def active_streams(streams: Mapping[str, Stream], writer_id: str | None, clock_us: int, idle_timeout: int) -> dict[str, Stream]:
+    """The streams that hold the watermark as writer `writer_id` judges them at `clock_us`: not retired, not idle."""
+    return {sid: s for sid, s in streams.items() if not s.retired and not s.idle(writer_id, clock_us, idle_timeout)}
 
 
 def progress_floor(streams: Mapping[str, Stream]) -> int | None:
@@ -134,6 +168,96 @@ def stream_property(stream: Stream) -> dict[str, str]:
     return {K.PROP_STREAM_PREFIX + stream.stream_id: stream.encode()}
 
 
+def first_sights(streams: Mapping[str, Stream], writer_id: str, clock_us: int) -> dict[str, Stream]:
+    """Other writers' active streams whose current checkpoint this commit of `writer_id` is the first to find,
+    with this writer's clock recorded in `since` (its measure of their silence starts here)."""
+    return {sid: replace(s, since={**s.since, writer_id: clock_us}) for sid, s in streams.items()
+            if s.writer_id != writer_id and not s.retired and writer_id not in s.since}
+
+
+# --------------------------------------------------------------------------- writers' clocks checked against each other
+
+
+@dataclass(frozen=True)
+class WriterClock:
+    """A writer's clock found ahead of another writer's by at least `ahead_by_us`, when that one's commit found it."""
+
+    writer_id: str
+    ahead_of: str
+    ahead_by_us: int
+    found_us: int  # the finding writer's clock
+
+    def encode(self) -> str:
+        return compact_json({"ahead-of": self.ahead_of, "ahead-by-s": self.ahead_by_us // US_PER_SECOND, "found": iso_z(self.found_us)})
+
+    @classmethod
+    def decode(cls, writer_id: str, text: str) -> WriterClock:
+        entry = json.loads(text)
+        return cls(writer_id, entry["ahead-of"], int(entry["ahead-by-s"]) * US_PER_SECOND, to_us(parse_iso(entry["found"])))
+
+    def as_dict(self) -> dict:
+        return {"writer": self.writer_id, "ahead_of": self.ahead_of, "ahead_by_seconds": self.ahead_by_us // US_PER_SECOND,
+                "found": iso_z(self.found_us), "description": self.describe()}
+
+    def describe(self) -> str:
+        seconds = self.ahead_by_us // US_PER_SECOND
+        return (f"clock of writer {self.writer_id} is at least {seconds}s ({seconds / 60:.0f} min) ahead of writer {self.ahead_of}'s "
+                f"(found at {iso_z(self.found_us)} on {self.ahead_of}'s clock): the watermark caps {self.writer_id}'s event times "
+                f"by the slower clock; set the hosts' clocks right (NTP)")
+
+
+def writer_clocks(properties: Mapping[str, str]) -> dict[str, WriterClock]:
+    """Writer id -> its clock's disagreement with another writer's, for every writer found ahead."""
+    prefix = K.PROP_WRITER_CLOCK_PREFIX
+    return {key[len(prefix):]: WriterClock.decode(key[len(prefix):], value) for key, value in properties.items() if key.startswith(prefix)}
+
+
+@dataclass(frozen=True)
+class ClockFindings:
+    """What one commit's first sights say about the writers' clocks: entries to set and to remove."""
+
+    found: dict[str, WriterClock]
+    cleared: list[str]
+
+    def properties(self) -> dict[str, str]:
+        return {K.PROP_WRITER_CLOCK_PREFIX + w: c.encode() for w, c in self.found.items()}
+
+    def removals(self) -> list[str]:
+        return [K.PROP_WRITER_CLOCK_PREFIX + w for w in self.cleared]
+
+    def apply(self, clocks: Mapping[str, WriterClock]) -> dict[str, WriterClock]:
+        return {w: c for w, c in {**clocks, **self.found}.items() if w not in self.cleared}
+
+
+def check_clocks(sighted: Mapping[str, Stream], clocks: Mapping[str, WriterClock], writer_id: str, clock_us: int,
+                 tolerance_us: int) -> ClockFindings:
+    """Check this writer's clock against the checkpoints it finds first (`first_sights`, before this commit).
+
+    Each was recorded (`seen`) before this commit: `seen - clock` is a lower bound of how far its
+    writer's clock runs ahead of this one's, and `clock - seen` an upper bound of how far this one
+    runs ahead of it. A lower bound beyond the tolerance is a finding; an upper bound within it
+    clears a finding that this writer runs ahead of that one.
+    """
+    found: dict[str, WriterClock] = {}
+    cleared: list[str] = []
+    for stream in sighted.values():
+        lead = stream.seen_us - clock_us
+        other = stream.writer_id
+        known = found.get(other) or clocks.get(other)
+        if lead > tolerance_us and (known is None or known.ahead_of == writer_id or lead > known.ahead_by_us):
+            found[other] = WriterClock(other, writer_id, lead, clock_us)
+        own = clocks.get(writer_id)
+        if own is not None and own.ahead_of == other and -lead <= tolerance_us and writer_id not in cleared:
+            cleared.append(writer_id)
+    return ClockFindings(found, cleared)
+
+
+def trusted_clock_us(clocks: Mapping[str, WriterClock], writer_id: str, clock_us: int) -> int:
+    """The writer's clock checked against the others': less the lead it was found to have (the slower clock rules)."""
+    own = clocks.get(writer_id)
+    return clock_us - own.ahead_by_us if own is not None and own.ahead_by_us > 0 else clock_us
+
+
 # --------------------------------------------------------------------------- registration and retirement
 
 
@@ -142,16 +266,29 @@ def register_stream(catalog: Catalog, identifier: str, stream_id: str, writer_id
 
     An active stream is left as it is (its `seen` moves with its checkpoints only, so that a
     writer started again and again without committing still goes idle); a retired one becomes
-    active again with the progress it had.
+    active again with the progress it had. A writer that hands its progress to per-partition
+    streams (Kafka) never holds the watermark with its own: its partition streams are made active
+    instead (those it had; the source's others join at its first checkpoint), its own stays retired.
     """
 
     def build(table: Table, commit_id: str):
-        current = streams_of(table.properties).get(stream_id)
-        if current is not None and not current.retired:
+        streams = streams_of(table.properties)
+        partitions = [s for sid, s in streams.items() if stream_id == writer_id and s.writer_id == writer_id and sid.startswith(writer_id + "/")]
+        current = streams.get(stream_id)
+        if partitions:
+            changed = [replace(s, retired=False, seen_us=clock_us, since={}) for s in partitions if s.retired]
+            if current is not None and not current.retired:
+                changed.append(replace(current, retired=True))
+        elif current is None:
+            changed = [Stream(stream_id, writer_id, None, clock_us)]
+        elif current.retired:
+            changed = [replace(current, retired=False, seen_us=clock_us, since={})]
+        else:
+            changed = []
+        if not changed:
             return None
-        stream = Stream(stream_id, writer_id, None, clock_us) if current is None else replace(current, retired=False, seen_us=clock_us)
         tx = new_transaction(table)
-        tx.set_properties(stream_property(stream))
+        tx.set_properties({k: v for s in changed for k, v in stream_property(s).items()})
         return tx
 
     return commit_with_retry(catalog, identifier, build).table

@@ -8,13 +8,15 @@ CommitProcessor adds summary entries and property updates to the checkpoint comm
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
+
+from partfin_assets.iceberg.streams import Stream
 
 
 class Accumulator(ABC):
@@ -64,10 +66,21 @@ class CommitContext:
     arrival_us: int | None = None
     # the source's processing time as of this checkpoint (partfin.source-clock, see the writer)
     source_clock_us: int | None = None
+    # the table's progress streams as this commit leaves them (its own stream with the progress it had;
+    # iceberg/streams.py), and the idle timeout they are judged by; None: as the table's properties say
+    streams: Mapping[str, Stream] | None = None
+    idle_timeout_us: int | None = None
+    # the commit clock checked against the other writers' (streams.trusted_clock_us): what event times
+    # are capped with; None: the commit clock
+    trusted_clock_us: int | None = None
 
     @property
     def stream(self) -> str:
         return self.stream_id or self.writer_id
+
+    @property
+    def trusted_clock(self) -> int:
+        return self.clock_us if self.trusted_clock_us is None else self.trusted_clock_us
 
 
 class CommitProcessor:

@@ -14,7 +14,7 @@ from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.history import applied_policy, late_records_total, stream_window, watermark_of
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifier, ledger_commit_stats, read_ledger
-from partfin_assets.iceberg.streams import active_streams, progress_floor
+from partfin_assets.iceberg.streams import active_streams, idle_timeout_us, progress_floor, streams_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import (
@@ -119,17 +119,24 @@ class PolicyChange:
 
 
 def table_candidate(ctx: CommitContext) -> int | None:
-    """The minimum progress over the table's active streams, this commit's own stream included.
+    """The minimum progress over the table's active streams, this commit's own stream included, capped at
+    the hour that has begun on the committing writer's trusted clock.
 
-    None (the watermark stays) while an active stream claims no progress yet: a writer that
-    registered but has not committed stats holds the watermark, whatever the others did.
+    The streams are judged as this commit leaves them (a Kafka writer's own stream, retired by its
+    partitions' first checkpoint, does not hold it) and by the committing writer's own clock (their
+    silence, iceberg/streams.py). None (the watermark stays) while an active stream claims no
+    progress yet: a writer that registered but has not committed stats holds the watermark,
+    whatever the others did.
     """
-    others = active_streams(ctx.table.metadata.properties, ctx.clock_us)
+    properties = ctx.table.metadata.properties
+    streams = ctx.streams if ctx.streams is not None else streams_of(properties)
+    timeout = ctx.idle_timeout_us if ctx.idle_timeout_us is not None else idle_timeout_us(properties)
+    others = active_streams(streams, ctx.writer_id, ctx.clock_us, timeout)
     others.pop(ctx.stream, None)
-    if ctx.stream_progress_us is None or not others:
-        return ctx.stream_progress_us
-    floor = progress_floor(others)
-    return None if floor is None else min(ctx.stream_progress_us, floor)
+    floor = progress_floor(others) if others else ctx.stream_progress_us
+    if ctx.stream_progress_us is None or floor is None:
+        return None
+    return min(ctx.stream_progress_us, floor, floor_hour_us(ctx.trusted_clock))
 
 
 class WatermarkProcessor(CommitProcessor):
@@ -165,12 +172,13 @@ class WatermarkProcessor(CommitProcessor):
 
         tolerance = future_tolerance_us(metadata.properties)
         heartbeat = ctx.heartbeat_us if event_times.stats.is_empty else None
-        suspect = suspect_future_entry(event_times.event_time_us, heartbeat, ctx.clock_us, tolerance)
+        # the future begins at the commit clock as checked against the other writers' (a clock found ahead counts less)
+        suspect = suspect_future_entry(event_times.event_time_us, heartbeat, ctx.trusted_clock, tolerance)
         if suspect:
             ctx.summary[K.SUSPECT_FUTURE] = compact_json(suspect)
         # what this commit claims: its min event time (ascending, so never a suspect one unless all
         # are), or its heartbeat; nothing when all of it lay in the future
-        limit = ctx.clock_us + tolerance
+        limit = ctx.trusted_clock + tolerance
         arrival = ctx.arrival_us if ctx.arrival_us is not None and ctx.arrival_us <= limit else None
         this_commit: list[CommitStats] = []
         if not event_times.stats.is_empty and suspect.get("records", 0) < event_times.stats.count:
@@ -184,7 +192,7 @@ class WatermarkProcessor(CommitProcessor):
             window = this_commit if delay is not None else self._window(ctx, policy, change, tolerance, this_commit)
             if window is not None:  # None: the new policy's history is not there yet, the stream holds
                 candidate = policy.candidate_us(window, delay)
-                ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.clock_us))
+                ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.trusted_clock))
         watermark = advance(previous, table_candidate(ctx))
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}

@@ -39,7 +39,10 @@ from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_du
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
-from partfin_assets.iceberg.streams import CommittedPosition, Stream, register_stream, stream_property, streams_of, writer_position
+from partfin_assets.iceberg.streams import (
+    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, register_stream, stream_property, streams_of, trusted_clock_us,
+    writer_clocks, writer_position,
+)
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
@@ -273,14 +276,25 @@ class CdcWriter:
                 fenced.append(committed)
                 return None
             clock_us = to_us(self.clock())
-            streams = streams_of(table.properties)
+            properties = table.properties
+            streams = streams_of(properties)
             stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
-            observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), clock_us)
+            # the other writers' checkpoints this commit is the first to find: their silence is measured from
+            # here on this clock, and they check this clock against theirs (iceberg/streams.py, "Clocks")
+            tolerance = future_tolerance_us(properties)
+            sighted = first_sights(streams, self.writer_id, clock_us)
+            clocks = writer_clocks(properties)
+            findings = check_clocks(sighted, clocks, self.writer_id, clock_us, tolerance)
+            trusted_us = trusted_clock_us(findings.apply(clocks), self.writer_id, clock_us)
+            partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
+            changed = {**sighted, **partition_streams}
+            observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), trusted_us, tolerance)
             source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
             source_clocks.append(source_clock)
             ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
                                 stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max,
-                                source_clock_us=source_clock)
+                                source_clock_us=source_clock, streams={**streams, **changed},
+                                idle_timeout_us=idle_timeout_us(properties), trusted_clock_us=trusted_us)
             for processor in self.processors:
                 processor.pre_commit(ctx)
             contexts.append(ctx)
@@ -290,9 +304,11 @@ class CdcWriter:
             with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
                 for data_file in data_files:
                     append.append_data_file(data_file)
-            stream = replace(stream, progress_us=ctx.stream_progress_us, seen_us=clock_us, retired=False)
-            partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
-            tx.set_properties({**ctx.properties, **position_property, **partition_streams, **stream_property(stream)})
+            stream = stream.checkpointed(ctx.stream_progress_us, clock_us)
+            changed_streams = {k: v for s in changed.values() for k, v in stream_property(s).items()}
+            tx.set_properties({**ctx.properties, **position_property, **changed_streams, **findings.properties(), **stream_property(stream)})
+            if findings.cleared:
+                tx.remove_properties(*findings.removals())
             return tx
 
         result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
@@ -362,20 +378,19 @@ class CdcWriter:
         """The progress stream of a batch: the writer's own, or `<writer id>/<partition>` (a Kafka topic partition)."""
         return self.writer_id if partition is None else f"{self.writer_id}/{partition}"
 
-    def _partition_streams(self, streams: dict[str, Stream], source_streams: tuple[str, ...], clock_us: int) -> dict[str, str]:
-        """Stream entries a partition's checkpoint adds: every partition the source reads now holds the
-        watermark from its first checkpoint on (one that delivers nothing holds it until it is idle), and
-        the writer's own stream, which its partitions replace, is retired."""
-        entries: dict[str, str] = {}
+    def _partition_streams(self, streams: dict[str, Stream], source_streams: tuple[str, ...], clock_us: int) -> dict[str, Stream]:
+        """Streams a partition's checkpoint changes: every partition the source reads now holds the watermark
+        from its first checkpoint on (one that delivers nothing holds it until it is idle), and the writer's
+        own stream, which its partitions replace, is retired (the checkpoint's watermark already without it)."""
+        changed: dict[str, Stream] = {}
         for stream_id in source_streams:
             known = streams.get(stream_id)
             if known is None or known.retired:
-                fresh = Stream(stream_id, self.writer_id, None, clock_us) if known is None else replace(known, retired=False, seen_us=clock_us)
-                entries.update(stream_property(fresh))
+                changed[stream_id] = Stream(stream_id, self.writer_id, None, clock_us) if known is None else known.checkpointed(known.progress_us, clock_us)
         own = streams.get(self.writer_id)
         if own is not None and not own.retired:
-            entries.update(stream_property(replace(own, retired=True)))
-        return entries
+            changed[self.writer_id] = replace(own, retired=True)
+        return changed
 
     # ---- idle sources: heartbeats follow the source's processing time (per progress stream)
 
@@ -395,10 +410,12 @@ class CdcWriter:
         source_clock = self._source_clock(stream_id)
         return source_clock is None or heartbeat_us - source_clock >= self.heartbeat_interval_us
 
-    def _source_clock_of(self, arrival_max: int | None, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int) -> int | None:
+    @staticmethod
+    def _source_clock_of(arrival_max: int | None, heartbeat_us: int | None, event_times: EventTimes | None, clock_us: int,
+                         tolerance_us: int) -> int | None:
         """The source's processing time as of a checkpoint: its heartbeat, else its records' latest arrival,
-        else their latest plausible event time; a time beyond the commit's clock + tolerance never counts."""
-        limit = clock_us + future_tolerance_us(self.table.properties)
+        else their latest plausible event time; a time beyond the commit's (trusted) clock + tolerance never counts."""
+        limit = clock_us + tolerance_us
         for candidate in (heartbeat_us, arrival_max):
             if candidate is not None and candidate <= limit:
                 return candidate

@@ -1,6 +1,6 @@
 """Asset checks of each table: thin wrappers over finalization/table_checks.py (metadata and the late-data ledger only).
 
-cdc/<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input
+cdc/<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
 base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
 downstream:   late_data_after_run
 
@@ -71,6 +71,7 @@ def table_check_outcomes(table: PartfinTable, catalog: Catalog, instance: Dagste
             "late_data": _with_policy_metadata(tc.late_data_outcome(catalog, name, downstream_runs(instance, table.activity_key)),
                                                catalog, name),
             "rejected_input": tc.bad_input(catalog, f"cdc.{name}__rejected", f"source line(s) of cdc.{name} could not be read"),
+            "writer_clocks": tc.clock_disagreements(catalog, name),
         }
     return {
         "watermark_matches_merged_cdc_snapshot": tc.base_matches_cdc(catalog, name),
@@ -102,6 +103,8 @@ CDC_CHECK_DESCRIPTIONS = {
     "late_data": "Late records (below the watermark in force) per hour partition of cdc.{name}, from its late-data ledger: WARN "
     "until each affected hour's downstream partition has run again with them (the evidence never expires).",
     "rejected_input": "Source lines or changes cdc.{name}'s writer could not read (cdc.{name}__rejected: raw line and reason); WARN.",
+    "writer_clocks": "A writer of cdc.{name} whose clock was found ahead of another writer's by more than the table's "
+    "tolerance (its commit clock beyond the clock of a later commit); WARN until a later commit finds them agreeing.",
 }
 BASE_CHECK_DESCRIPTIONS = {
     "watermark_matches_merged_cdc_snapshot": "base.{name}'s watermark equals the watermark of the cdc.{name} snapshot it merged "

@@ -1,0 +1,144 @@
+"""Which clock judges a progress stream, and which streams hold the watermark (docs/clocks-and-streams.md).
+
+Issue 22 §3: two writers on one table, one host's clock ahead (libfaketime on one of two real
+`partfin ingest` processes): the watermark waits for the other, active writer whatever the clocks
+say, and the disagreement is reported (`partfin status`, the `writer_clocks` check).
+
+Issue 29 §1: one-checkpoint `partfin ingest --source kafka:...` runs on a topic with a partition that
+delivers nothing: each run moves the watermark exactly as far as the partitions' progress allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from datetime import timedelta
+
+import pytest
+
+from partfin_assets_tests.cdc_files import partfin
+from partfin_assets_tests.postgres_cluster import libfaketime
+from partfin_assets_tests.test_progress_streams import _status, a_pauses_while_b_commits
+
+
+def _clock_ahead(offset: str) -> dict[str, str]:
+    """The environment that runs a process on a host whose clock is `offset` ahead (libfaketime, Debian `faketime`)."""
+    library = libfaketime()
+    if library is None:
+        pytest.skip("libfaketime not found: install Debian's faketime package (.ci/run does)")
+    return {"LD_PRELOAD": str(library), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ahead,ahead_s", [("+2h", 7200), ("+20m", 1200)])
+def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_active_writer(tmp_path, monkeypatch, ahead, ahead_s):
+    """Writer `a` (a true clock) commits 10:00-10:30 and pauses for seconds; writer `b`, on a host whose clock is
+    `ahead`, commits 15:00-17:00. `a` is active (silent for seconds, far below the 15 min idle timeout), so the
+    watermark must stay at 10:00 and `a`'s next records must not be late. Before: `b` measured `a`'s silence
+    with its own clock (2 h or 20 min), called `a` idle and moved the watermark to 16:00."""
+    home = tmp_path / "home"
+    watermark_after_b, late_of_a = a_pauses_while_b_commits(tmp_path, home, **_clock_ahead(ahead))
+    print(f"b's clock {ahead}: watermark {watermark_after_b} after b; a's remaining 2,500 records: {late_of_a:,} late")
+    assert watermark_after_b <= "2026-11-20T10:00:00Z"
+    assert late_of_a == 0
+
+    # a committed after b and found b's newest commit clock ahead of its own: reported, with a lower bound
+    status = _status(home)
+    (clock,) = status["clocks"]
+    assert (clock["writer"], clock["ahead_of"]) == ("b", "a")
+    assert ahead_s - 300 <= clock["ahead_by_seconds"] <= ahead_s
+    text = partfin(home, "status")
+    assert text.returncode == 0 and "clock of writer b is at least" in text.stdout and "ahead of writer a's" in text.stdout
+
+    # the Dagster check of cdc/orders warns, naming both writers
+    monkeypatch.setenv("PARTFIN_HOME", str(home))
+    from dagster import AssetCheckSeverity, DagsterInstance
+
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+    from partfin_assets.sources.synthetic import ORDERS_SPEC
+
+    table = PartfinTable(spec=dataclasses.replace(ORDERS_SPEC, primary_key=("id",)), source="synthetic")
+    instance = DagsterInstance.ephemeral()
+    try:
+        checks = build_definitions([table]).resolve_job_def("checks_orders").execute_in_process(instance=instance)
+    finally:
+        instance.dispose()
+    evaluations = {e.check_name: e for e in checks.get_asset_check_evaluations()}
+    clocks = evaluations["writer_clocks"]
+    assert not clocks.passed and clocks.severity == AssetCheckSeverity.WARN
+    assert "b" in clocks.description and "a" in clocks.description
+    assert clocks.metadata["disagreements"].value[0]["writer"] == "b"
+
+
+def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
+    """In process, with explicit clocks: `b` runs 2 h ahead and its source with it (event times up to its own
+    'now'). Once `a` has committed after `b` and found b's clock ahead, b's commits cap event time at b's clock
+    less what it was found ahead: after `a` is retired, the watermark still never passes the hour that has
+    begun on a's (the true) clock."""
+    from partfin_assets.iceberg.streams import retire_stream
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.timeutil import floor_hour_us, from_us, iso_z
+    from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+
+    now = [T0_US + 30 * HOUR_US + 30 * MINUTE_US]  # the true clock, 06:30 the next day
+    ahead = 2 * HOUR_US
+
+    def minutes_before(clock_us: int, n: int = 60):
+        return [clock_us - n * MINUTE_US + i * MINUTE_US for i in range(n)]
+
+    a = CdcWriter(catalog, ORDERS, writer_id="a", clock=lambda: from_us(now[0]))
+    a.write_checkpoint(change_batch(minutes_before(now[0]), offset="a0"))
+    b = CdcWriter(catalog, ORDERS, writer_id="b", clock=lambda: from_us(now[0] + ahead))
+    b.write_checkpoint(change_batch(minutes_before(now[0] + ahead), offset="b0"))  # b's source follows b's clock
+    now[0] += MINUTE_US
+    a.write_checkpoint(change_batch(minutes_before(now[0], 5), offset="a1"))  # a finds b's commit clock 2 h ahead of its own
+    retire_stream(catalog, "cdc.orders", "a")
+    for i in range(3):
+        now[0] += MINUTE_US
+        result = b.write_checkpoint(change_batch(minutes_before(now[0] + ahead, 20), offset=f"b{i + 1}"))
+    watermark = catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK]
+    print(f"b alone, 2 h ahead: watermark {watermark}, true now {iso_z(now[0])}, b's clock {iso_z(now[0] + ahead)}")
+    assert watermark == iso_z(floor_hour_us(now[0]))  # b's progress (07:00), capped at the hour begun on the slower clock
+    assert K.SUSPECT_FUTURE in result.summary  # b's records from beyond the true clock + tolerance claim nothing
+
+
+# --------------------------------------------------------------------------- Kafka: per-partition streams
+
+
+@pytest.mark.timeout(600)
+def test_one_checkpoint_kafka_runs_move_the_watermark_as_far_as_the_partitions_allow(tmp_path, kafka_cluster):
+    """A 2-partition topic: partition 1 delivered hours 0-3 and then nothing; partition 0 gets one more hour before
+    each one-checkpoint run (the Dagster sync every minute on a quiet topic). Each run must move the watermark to
+    min(partition 0's hour, partition 1's hour 3) while partition 1 is active, and to partition 0's hour once
+    partition 1 is idle. Before: each run re-registered the writer's own stream with no progress, and its one
+    commit never moved the watermark."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.streams import set_idle_timeout, streams_of
+    from partfin_assets_tests.test_kafka_source import TOPIC, kafka_spec, per_minute, produce_to, run_ingest, watermark_hour
+
+    kafka_cluster.create_topic(TOPIC, 2)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    ids = {0: list(range(0, 10)), 1: list(range(10, 20))}
+    produce_to(kafka_cluster, 1, per_minute(ids[1], 0, 240))
+    produce_to(kafka_cluster, 0, per_minute(ids[0], 0, 60))
+    # one hour a checkpoint: partition 1's last one holds hour 3 only
+    run_ingest(home, spec, "--checkpoint-records", "60", "--watermark-policy", "min-of-last:1")
+    assert watermark_hour(home) == 0
+    watermarks = []
+    for hour in range(1, 6):
+        produce_to(kafka_cluster, 0, per_minute(ids[0], 60 * hour, 60 * (hour + 1)))
+        run_ingest(home, spec, "--checkpoint-records", "1000", "--max-checkpoints", "1")
+        watermarks.append(watermark_hour(home))
+    streams = streams_of(load_partfin_catalog(home).load_table("cdc.orders").properties)
+    assert streams["orders-writer"].retired  # the writer's own stream never came back to hold the watermark
+    set_idle_timeout(load_partfin_catalog(home), "cdc.orders", timedelta(seconds=1))  # `partfin streams idle-timeout 1s`
+    time.sleep(2)  # partition 1 has now delivered nothing for longer than that
+    for hour in range(6, 8):
+        produce_to(kafka_cluster, 0, per_minute(ids[0], 60 * hour, 60 * (hour + 1)))
+        run_ingest(home, spec, "--checkpoint-records", "1000", "--max-checkpoints", "1")
+        watermarks.append(watermark_hour(home))
+    print(f"one-checkpoint kafka runs: watermark hours {watermarks}")
+    assert watermarks == [1, 2, 3, 3, 3, 6, 7]
