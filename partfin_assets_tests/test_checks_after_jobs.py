@@ -35,7 +35,6 @@ def check_verdicts(defs, instance) -> dict[str, tuple[bool, str, str]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22.5: after a compaction on an idle source the base check reports a false ERROR")
 def test_every_check_after_every_job_kind(synced, tmp_path):  # noqa: F811 - the fixture
     defs, instance, catalog = synced
     sync = defs.resolve_job_def("sync_orders")
