@@ -519,7 +519,6 @@ def test_expiry_during_a_job_neither_hides_nor_invents_conflicts(catalog, scenar
         assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22.5: a replay whose start snapshot expired under it dies with FileNotFoundError")
 def test_a_job_whose_start_snapshot_expired_under_it_retries_from_the_head(catalog):
     """A replay racing the writer's snapshot expiry: its start snapshot's manifest list is gone when it commits.
     That is a conflict like any other (nothing of the attempt visible, its files deleted): the retry lands."""
