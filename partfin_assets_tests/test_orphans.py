@@ -99,7 +99,6 @@ def test_expiry_then_orphan_removal_frees_replaced_files_but_keeps_live_and_poli
     assert K.PROP_WATERMARK in table.properties
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22.6: orphan removal follows a directory symlink inside the table folder")
 def test_orphan_removal_never_follows_links_out_of_the_table(catalog, tmp_path):
     ingest(catalog)
     table = catalog.load_table("cdc.orders")

@@ -1,13 +1,16 @@
 """Table maintenance jobs: snapshot expiry on demand, and orphan-file removal.
 
 Expiry keeps what the watermark policy and resumption need (iceberg/expiry.py; the writer also
-expires as it goes). Orphan removal deletes files under a table's location that no retained
-snapshot or metadata file references, and only those older than a safety age.
+expires as it goes). Orphan removal deletes regular files under a table's location that no retained
+snapshot or metadata file references, and only those older than a safety age; it never
+follows a link (to a folder or a file) out of the table's folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
@@ -80,9 +83,14 @@ class StoredFile:
 
 
 def list_table_files(location: str) -> list[StoredFile]:
-    """Every file under a table location (any pyarrow filesystem: local, S3, GCS, HDFS...)."""
+    """Every regular file under a table location (any pyarrow filesystem: local, S3, GCS, HDFS...).
+
+    Links are never followed, nor listed: a link to a folder or a file elsewhere is no file of the table.
+    """
 
     filesystem, root = pafs.FileSystem.from_uri(location)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return _list_local_files(root)  # pyarrow's recursive listing follows links to folders
     try:
         infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     except FileNotFoundError:
@@ -96,6 +104,20 @@ def list_table_files(location: str) -> list[StoredFile]:
             continue
         mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
         out.append(StoredFile(_normalize(scheme_prefix + info.path), info.size or 0, mtime))
+    return out
+
+
+def _list_local_files(root: str) -> list[StoredFile]:
+    out = []
+    for folder, _, names in os.walk(root, followlinks=False):  # a link to a folder is never entered
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:  # deleted meanwhile (a failed job cleaning up)
+                continue
+            if stat.S_ISREG(info.st_mode):  # a link (to a file anywhere) is not one
+                out.append(StoredFile(path, info.st_size, info.st_mtime))
     return out
 
 
