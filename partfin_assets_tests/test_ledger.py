@@ -257,7 +257,6 @@ def _record_racing(home: str, writer_id: str, barrier, results) -> None:
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29.2: a ledger commit that loses a race leaves its Parquet file behind")
 def test_lost_races_on_the_ledger_commit_leave_no_file_behind(tmp_path):
     import multiprocessing
 
