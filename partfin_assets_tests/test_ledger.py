@@ -226,8 +226,8 @@ def test_one_ledger_commit_per_checkpoint_leaves_few_files_and_loses_no_row(cata
     assert rows["records"].sum() == 5 * (LEDGER_MAX_SMALL_FILES + 20)
 
 
-RACERS = 4
-RACER_COMMITS = 12
+RACERS = 3
+RACER_COMMITS = 8
 
 
 def _record_racing(home: str, writer_id: str, barrier, results) -> None:
