@@ -1,4 +1,4 @@
-"""The `partfin` command: ingest, upsert, base, status, streams, late-data, report, policy-lab."""
+"""The `partfin` command: ingest, upsert, base, replay, compact, privacy-delete, maintain, status, streams, late-data, report, policy-lab."""
 
 from __future__ import annotations
 
@@ -9,32 +9,40 @@ import json
 import logging
 import sys
 import traceback
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 
-from partfin_assets.finalization.hours import parse_hour
+from partfin_assets.finalization.hours import hour_key, parse_hour
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
-from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog
+from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.commit import set_table_properties
+from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.jobs import compaction
+from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.jobs.conflicts import CommitConflictError
+from partfin_assets.jobs.maintenance import MAINTENANCE_ORPHAN_AGE_S, expire_table_snapshots, maintained_tables, remove_orphan_files
 from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
+from partfin_assets.jobs.privacy import privacy_delete
 from partfin_assets.jobs.rebucket import rebucket
+from partfin_assets.jobs.replay import ReplayRefused, replay_hour_from_history
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import InvalidInput, PartfinError
+from partfin_assets.model.errors import InvalidInput, PartfinError, first_line
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
-from partfin_assets.model.timeutil import US_PER_SECOND, parse_duration
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
 
@@ -68,6 +76,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rebucket_.add_argument("--table", required=True)
     rebucket_.add_argument("--buckets", type=int, required=True, help="the new count: a multiple of the current one, greater than it")
+
+    replay = commands.add_parser(
+        "replay", help="replay one hour of cdc.<table> from the history its writers read (Dagster: materialize that cdc/<table> partition)")
+    replay.add_argument("--table", required=True)
+    replay.add_argument("--hour", required=True, help="the hour, 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
+    replay.add_argument("--force", action="store_true", help="replace the hour even if that removes far more records than it adds")
+
+    compact = commands.add_parser(
+        "compact", help="small-file compaction of the finalized hours of cdc.<table>, then of base.<table> (Dagster: compact_<table>)")
+    compact.add_argument("--table", required=True)
+    compact.add_argument("--target-file-size", type=int, default=DEFAULT_TARGET_FILE_SIZE,
+                         help=f"bytes per rewritten file (default {DEFAULT_TARGET_FILE_SIZE})")
+    compact.add_argument("--min-input-files", type=int, default=2, help="rewrite a partition holding at least this many small files (default 2)")
+
+    privacy = commands.add_parser(
+        "privacy-delete", help="delete every row of primary keys from cdc.<table>, then base.<table> (Dagster: privacy_delete_<table>)")
+    privacy.add_argument("--table", required=True)
+    privacy.add_argument("--key", action="append", required=True, dest="keys",
+                         help='a primary key as JSON, e.g. \'{"id": 42}\' (repeatable)')
+    privacy.add_argument("--request-id", required=True,
+                         help="the request's id: recorded in snapshot summaries (never the keys); the same id resumes a crashed request")
+
+    maintain = commands.add_parser(
+        "maintain", help="snapshot expiry, then orphan-file removal, of every table partfin keeps for <table> (Dagster: maintain_<table>)")
+    maintain.add_argument("--table", required=True)
+    maintain.add_argument("--keep-last", type=int, default=Retention.keep_last,
+                          help=f"newest snapshots always kept, besides the watermark policy's window and writer positions (default {Retention.keep_last})")
+    maintain.add_argument("--orphan-min-age", default=f"{MAINTENANCE_ORPHAN_AGE_S // 3600}h",
+                          help="never delete an unreferenced file younger than this: a running job may still commit it (default 24h)")
+    maintain.add_argument("--dry-run", action="store_true", help="list orphan files without deleting them")
 
     status = commands.add_parser("status", help="watermark and progress of every cdc/base table")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -116,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
-        return {"ingest": _ingest, "upsert": _upsert, "base": _base, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
+        return {"ingest": _ingest, "upsert": _upsert, "base": _base, "replay": _replay, "compact": _compact, "privacy-delete": _privacy_delete,
+                "maintain": _maintain, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
                 "policy-lab": _policy_lab}[args.command](args)
     except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
         print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
@@ -232,6 +271,96 @@ def _base(args: argparse.Namespace) -> int:
     catalog = load_partfin_catalog()
     result = retry_on_conflict(lambda: rebucket(catalog, args.table, args.buckets))  # another rebucket won: re-checked on fresh metadata
     print(result.describe())
+    return 0
+
+
+# The table jobs: each calls the job function its Dagster job calls (defs/maintenance/jobs.py, defs/platform/replay.py),
+# and retries a lost race (CommitConflictError) from a fresh snapshot with the same policy (jobs/retry.py).
+
+
+def _retrying(what: str, run):
+    def say(exc: CommitConflictError, attempt: int) -> None:
+        print(f"partfin: {what}: conflict on attempt {attempt}, retrying from a fresh snapshot: {first_line(str(exc))}",
+              file=sys.stderr, flush=True)
+
+    return retry_on_conflict(run, on_conflict=say)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    hour = _user_hour(args.hour)
+    catalog = load_partfin_catalog()
+    load_existing_table(catalog, f"cdc.{args.table}")
+    job_id = f"cli-{uuid.uuid4().hex}-{hour_key(hour)}"  # every attempt: a re-run after an unknown outcome finds its commit
+    try:
+        result = _retrying(f"replay of {iso_z(hour)} of cdc.{args.table}", lambda: replay_hour_from_history(
+            catalog, args.table, hour, job_id=job_id, force=args.force))
+    except ReplayRefused as exc:
+        raise ReplayRefused(f"{first_line(str(exc))}; --force replaces it anyway") from None
+    print(f"cdc.{args.table}: replayed {result.hour} from {result.history}: {result.records} records ({result.added_records} added, "
+          f"{result.removed_records} removed, {result.kept_records} appended meanwhile and kept, {result.late_records} late), "
+          f"snapshot {result.snapshot_id}")
+    return 0
+
+
+def _user_hour(text: str) -> int:
+    try:
+        return parse_hour(text)
+    except PartfinError:
+        raise
+    except ValueError:
+        raise InvalidInput(f"--hour {text!r} is no hour; name one as 2026-01-01-05:00 or 2026-01-01T05:00:00Z") from None
+
+
+def _compact(args: argparse.Namespace) -> int:
+    if args.target_file_size < 1 or args.min_input_files < 1:
+        raise InvalidInput("--target-file-size and --min-input-files must be positive")
+    catalog = load_partfin_catalog()
+    load_existing_table(catalog, f"cdc.{args.table}")
+    for identifier in (f"cdc.{args.table}", f"base.{args.table}"):  # cdc first, as compact_<table>'s steps
+        if load_table_if_exists(catalog, identifier) is None:
+            print(f"{identifier} does not exist yet: nothing to compact")
+            continue
+        result = _retrying(f"compaction of {identifier}", lambda identifier=identifier: compaction.compact(
+            catalog, identifier, target_file_size_bytes=args.target_file_size, min_input_files=args.min_input_files, finalized_only=True))
+        print(result.describe())
+    return 0
+
+
+def _privacy_delete(args: argparse.Namespace) -> int:
+    keys = []
+    for text in args.keys:
+        try:
+            key = json.loads(text)
+        except json.JSONDecodeError:
+            key = None
+        if not isinstance(key, dict) or not key:
+            raise InvalidInput(f"--key {text!r} is not a JSON object naming the primary key, e.g. '{{\"id\": 42}}'")
+        keys.append(key)
+    if not args.request_id.strip():
+        raise InvalidInput("--request-id must not be blank")
+    catalog = load_partfin_catalog()
+    result = _retrying(f"privacy delete {args.request_id} on {args.table}",
+                       lambda: privacy_delete(catalog, args.table, keys, request_id=args.request_id))
+    print(f"privacy delete {args.request_id}: {result.cdc_deleted} record(s) deleted from cdc.{args.table}, "
+          f"{result.base_deleted} from base.{args.table} ({len(keys)} key(s)); older snapshots still reference the old files "
+          f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
+    return 0
+
+
+def _maintain(args: argparse.Namespace) -> int:
+    retention = Retention(keep_last=args.keep_last)
+    age_s = parse_duration(args.orphan_min_age).total_seconds()
+    catalog = load_partfin_catalog()
+    load_existing_table(catalog, f"cdc.{args.table}")
+    tables = maintained_tables(catalog, args.table)
+    for maintained in tables:  # expiry first: what it frees becomes an orphan
+        expired = expire_table_snapshots(catalog, maintained.identifier, retention, companion=maintained.companion)
+        kept = len(catalog.load_table(maintained.identifier).metadata.snapshots)
+        print(f"{maintained.identifier}: {expired} snapshot(s) expired, {kept} kept")
+    for maintained in tables:
+        report = remove_orphan_files(catalog, maintained.identifier, older_than_s=age_s, dry_run=args.dry_run)
+        print(f"{maintained.identifier}: {len(report.orphans)} orphan file(s) {'found' if args.dry_run else 'deleted'} "
+              f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {args.orphan_min_age} kept")
     return 0
 
 

@@ -519,6 +519,37 @@ def test_expiry_during_a_job_neither_hides_nor_invents_conflicts(catalog, scenar
         assert files_per_partition(catalog, "cdc.orders")[hour_partition(catalog.load_table("cdc.orders").metadata, HOURS["A"])] == 1
 
 
+def test_a_job_whose_start_snapshot_expired_under_it_retries_from_the_head(catalog):
+    """A replay racing the writer's snapshot expiry: its start snapshot's manifest list is gone when it commits.
+    That is a conflict like any other (nothing of the attempt visible, its files deleted): the retry lands."""
+    model = seed(catalog)
+    run_job(catalog, JobKind.OVERWRITE, "B", 9, None)  # the replay's start: a snapshot nothing protects from expiry
+    model = apply(model, JobKind.OVERWRITE, "B", 9)
+    racer = CdcWriter(catalog, ORDERS, writer_id="racer", retention=Retention(keep_last=2, slack=0))
+    raced: list[str] = []
+    attempts: list[list[str]] = []
+    appended: list[Row] = []
+
+    def expire_under_it(job: Job) -> None:
+        attempts.append(list(job.written))
+        if raced:
+            return
+        raced.append(str(job.start_snapshot_id))
+        for i in range(4):  # into hour B: hour A, the replay's, is not touched
+            batch = change_batch(HOURS["B"] + 50 * 60_000_000 + np.arange(2) * 1_000_000, offset=f"r{i}", seq_start=70_000 + i * 10,
+                                 keys=[400 + i, 450 + i])
+            racer.write_checkpoint(batch)
+            appended.extend(rows_of(batch.records))
+        assert catalog.load_table("cdc.orders").metadata.snapshot_by_id(job.start_snapshot_id) is None
+
+    result = retry_on_conflict(
+        lambda: replay_hour(catalog, "orders", HOURS["A"], replay_rows("A", 1), force=True, before_commit=expire_under_it),
+        sleep=lambda s: None)
+    assert result.snapshot_id is not None and len(attempts) == 2
+    assert sorted(table_rows(catalog)) == sorted(apply(model + appended, JobKind.OVERWRITE, "A", 1))
+    assert attempts[0] and not any(Path(p.removeprefix("file://")).exists() for p in attempts[0])  # the lost attempt's files
+
+
 @pytest.mark.parametrize("landed", [True, False])
 def test_unknown_commit_outcome_is_resolved_from_the_history(catalog, monkeypatch, landed):
     """The catalog call raises something else than CommitFailedException (a timeout): look, don't guess."""

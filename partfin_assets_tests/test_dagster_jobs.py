@@ -297,6 +297,9 @@ def test_maintenance_expires_snapshots_and_removes_orphans(synced):
     assert not stray.exists() and young.exists()  # the safety age keeps files a running job may still commit
     assert catalog.load_table("cdc.orders").scan().to_arrow().num_rows == rows
     assert {str(m["iceberg_table"].value) for m in observations(instance, BASE) if "orphan_files" in m} == {"base.orders"}
+    # and the tables partfin keeps beside cdc.orders: its late-data ledger and rejected lines
+    for kind in ("snapshots_expired", "orphan_files"):
+        assert {str(m["iceberg_table"].value) for m in obs if kind in m} == {"cdc.orders", "cdc.orders__ledger", "cdc.orders__rejected"}
 
 
 @pytest.mark.timeout(720)  # above the 600 s the backfill may take on a loaded machine, so its own timeout names it

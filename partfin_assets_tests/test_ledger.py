@@ -224,3 +224,63 @@ def test_one_ledger_commit_per_checkpoint_leaves_few_files_and_loses_no_row(cata
     rows = read_ledger(catalog, "cdc.orders")
     assert _checkpoints(rows) == {("orders-writer", i) for i in range(1, LEDGER_MAX_SMALL_FILES + 21)}
     assert rows["records"].sum() == 5 * (LEDGER_MAX_SMALL_FILES + 20)
+
+
+RACERS = 3
+RACER_COMMITS = 8
+
+
+def _record_racing(home: str, writer_id: str, barrier, results) -> None:
+    """One process recording its writer's checkpoints one commit at a time; reports how many attempts lost a race."""
+    import logging
+
+    from partfin_assets.iceberg.ledger import Checkpoint, checkpoint_rows, record_rows
+
+    lost = []
+
+    class CountLostRaces(logging.Handler):
+        def emit(self, record):
+            if "lost a race" in record.getMessage():
+                lost.append(record)
+
+    commit_log = logging.getLogger("partfin_assets.iceberg.commit")
+    commit_log.setLevel(logging.DEBUG)
+    commit_log.addHandler(CountLostRaces())
+    catalog = load_partfin_catalog(home)
+    barrier.wait()  # every process commits at the same moment
+    try:
+        for checkpoint_id in range(1, RACER_COMMITS + 1):
+            checkpoint = Checkpoint(writer_id, writer_id, checkpoint_id, checkpoint_id, None, T0_US, None, {})
+            record_rows(catalog, "cdc.orders", checkpoint_rows(checkpoint, T0_US + np.arange(3, dtype=np.int64) * 1_000_000))
+        results.put(len(lost))
+    except Exception as exc:  # reported to the test, which names it
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_lost_races_on_the_ledger_commit_leave_no_file_behind(tmp_path):
+    import multiprocessing
+
+    from partfin_assets.iceberg.catalog import ensure_namespaces
+    from partfin_assets.iceberg.ledger import ensure_ledger_table
+    from partfin_assets.jobs.maintenance import list_table_files, referenced_files
+
+    home = str(tmp_path / "home")
+    catalog = load_partfin_catalog(home)
+    ensure_namespaces(catalog, "cdc")
+    ensure_ledger_table(catalog, "cdc.orders")
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(RACERS), context.Queue()
+    processes = [context.Process(target=_record_racing, args=(home, f"racer-{i}", barrier, results)) for i in range(RACERS)]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=300) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert all(isinstance(o, int) for o in outcomes), outcomes
+    assert sum(outcomes) > 0, "no commit lost a race: the test proves nothing"
+    rows = read_ledger(catalog, "cdc.orders")
+    assert _checkpoints(rows) == {(f"racer-{i}", c) for i in range(RACERS) for c in range(1, RACER_COMMITS + 1)}
+    ledger = catalog.load_table("cdc.orders__ledger")
+    on_disk = {f.path for f in list_table_files(ledger.metadata.location) if "/data/" in f.path}
+    named = {p for p in referenced_files(ledger) if "/data/" in p}
+    assert on_disk == named, f"{len(on_disk - named)} data file(s) no snapshot names ({sum(outcomes)} lost races)"

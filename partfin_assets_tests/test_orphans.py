@@ -97,3 +97,25 @@ def test_expiry_then_orphan_removal_frees_replaced_files_but_keeps_live_and_poli
     assert all_rows(catalog) == rows_before
     assert {f.path for f in list_table_files(table.metadata.location)} == referenced_files(table)
     assert K.PROP_WATERMARK in table.properties
+
+
+def test_orphan_removal_never_follows_links_out_of_the_table(catalog, tmp_path):
+    ingest(catalog)
+    table = catalog.load_table("cdc.orders")
+    data = Path(table.metadata.location.removeprefix("file://")) / "data"
+    outside = tmp_path / "outside-the-warehouse"
+    (outside / "folder").mkdir(parents=True)
+    kept = [outside / "folder" / f"precious-{i}.parquet" for i in range(3)] + [outside / "single.parquet"]
+    for path in kept:
+        path.write_bytes(b"PAR1 not partfin's")
+    (data / "linked-folder").symlink_to(outside / "folder", target_is_directory=True)
+    (data / "linked-file.parquet").symlink_to(outside / "single.parquet")
+    stray = data / "stray.parquet"  # a regular file no snapshot names: the one orphan
+    stray.write_bytes(b"PAR1")
+    rows = all_rows(catalog)
+
+    report = remove_orphan_files(catalog, "cdc.orders", older_than_s=0)
+    assert report.orphans == [str(stray)] and not stray.exists()
+    assert all(path.exists() for path in kept)  # nothing outside the table's folder, through a link or otherwise
+    assert (data / "linked-folder").is_symlink() and (data / "linked-file.parquet").is_symlink()  # links are no files of the table
+    assert all_rows(catalog) == rows

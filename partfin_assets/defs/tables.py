@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition, sensor
 
 from partfin_assets.finalization.hours import hour_from_key
+from partfin_assets.jobs.maintenance import MAINTENANCE_ORPHAN_AGE_S
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC
@@ -34,7 +35,7 @@ class PartfinTable:
     # table maintenance jobs (defs/maintenance): cron schedules in UTC
     compaction_cron: str = "15 * * * *"  # compact_<name>: hourly, a quarter past (hours finalize on the hour)
     maintenance_cron: str = "30 3 * * *"  # maintain_<name>: daily
-    orphan_min_age_seconds: int = 24 * 3600  # orphan-file removal never deletes younger files
+    orphan_min_age_seconds: int = MAINTENANCE_ORPHAN_AGE_S  # orphan-file removal never deletes younger files
     # ownership
     platform_owner: str = "team:platform"
     downstream_owner: str = "team:analytics"

@@ -21,7 +21,7 @@ from partfin_assets.finalization.hours import hour_key, lag_seconds
 from partfin_assets.finalization.late_acks import LateAck, acknowledged_hours, acks_of, unacknowledged
 from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
-from partfin_assets.iceberg.history import summary_of, total_records, watermark_history, watermark_of
+from partfin_assets.iceberg.history import recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, now_utc, to_us
@@ -176,11 +176,13 @@ def base_matches_cdc(catalog: Catalog, name: str) -> CheckOutcome:
     snapshot = cdc.metadata.snapshot_by_id(source_id)
     if snapshot is None:
         return CheckOutcome(False, f"merged cdc snapshot {source_id} is no longer in cdc.{name}'s metadata", WARN)
-    expected = summary_of(snapshot).get(K.WATERMARK)
-    actual = base.properties.get(K.PROP_WATERMARK)
+    # the watermark in force at that snapshot: a commit that records none (a compaction, a privacy delete,
+    # a replay on an idle source) leaves the one before it in force, and that is what the upsert carried over
+    expected = _iso(recorded_watermark(cdc.metadata, snapshot))
+    actual = _iso(watermark_of(base.properties))
     return CheckOutcome(
         passed=expected == actual,
-        description=f"base watermark {actual}, merged cdc snapshot {source_id} watermark {expected}",
+        description=f"base watermark {actual}, watermark in force at merged cdc snapshot {source_id} {expected}",
         metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id},
     )
 

@@ -21,16 +21,20 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import pyarrow as pa
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate, TableUpdate
 
-from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.files import conform_rows, delete_files, write_data_files
 from partfin_assets.iceberg.history import find_commit
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import PartfinError
@@ -64,6 +68,40 @@ class CommitResult:
 
 
 BuildFn = Callable[[Table, str], Transaction | None]
+
+
+@dataclass
+class AttemptFiles:
+    """The data files a commit's current attempt wrote (`commit_with_retry(files=...)` owns their fate).
+
+    An attempt that loses its race, or fails, never lands: its files are deleted before the next
+    attempt builds (which writes its own), so a retried commit leaves nothing behind.
+    """
+
+    written: list[DataFile] = field(default_factory=list)
+    io: FileIO | None = None
+
+    def append(self, tx: Transaction, table: Table, rows: pa.Table, snapshot_properties: dict[str, str]) -> None:
+        """Stage `rows` as new data files of `table` in `tx`, as `Transaction.append` does, keeping track of the files."""
+        self.write(table, rows)
+        with tx.update_snapshot(snapshot_properties=snapshot_properties).merge_append() as append:
+            for data_file in self.written:
+                append.append_data_file(data_file)
+
+    def write(self, table: Table, rows: pa.Table) -> list[DataFile]:
+        """Write `rows` as data files of `table` for this attempt (staged by the caller)."""
+        self.io = table.io
+        files = list(write_data_files(table, conform_rows(table, rows))) if rows.num_rows else []
+        self.written.extend(files)
+        return files
+
+    def discard(self) -> None:
+        if self.written and self.io is not None:
+            delete_files(self.io, [f.file_path for f in self.written])
+        self.written = []
+
+    def keep(self) -> None:
+        self.written = []
 
 
 def new_commit_id() -> str:
@@ -107,33 +145,43 @@ def commit_with_retry(
     max_attempts: int = 50,
     base_wait_s: float = 0.02,
     max_wait_s: float = 1.0,
+    files: AttemptFiles | None = None,
 ) -> CommitResult:
     """Commit the transaction `build(fresh_table, commit_id)` returns, retrying on concurrent commits.
 
     `build` must put `commit_id` into the snapshot summary (key partfin.commit-id) of the
-    snapshot it produces, and may return None to commit nothing.
+    snapshot it produces, and may return None to commit nothing. Data files it writes through
+    `files` are deleted when its attempt does not land.
     """
     commit_id = commit_id or new_commit_id()
-    for attempt in range(1, max_attempts + 1):
-        table = catalog.load_table(identifier)
-        start_snapshot_id = table.metadata.current_snapshot_id
-        transaction = build(table, commit_id)
-        if transaction is None:
-            return CommitResult(table, None, attempt)
-        try:
-            committed = transaction.commit_transaction()
-            return CommitResult(committed, committed.current_snapshot(), attempt)
-        except CommitFailedException:
-            log.debug("commit %s on %s lost a race (attempt %d); retrying", commit_id, identifier, attempt)
-        except Exception:
-            # Unknown outcome: the write may have landed. Only the history can tell.
-            landed = find_commit(catalog.load_table(identifier), commit_id, start_snapshot_id)
-            if landed is None:
-                raise
-            log.warning("commit %s on %s reported an error but landed as snapshot %s", commit_id, identifier, landed.snapshot_id)
-            return CommitResult(catalog.load_table(identifier), landed, attempt)
-        wait = min(max_wait_s, base_wait_s * 2 ** min(attempt, 10))
-        time.sleep(random.uniform(0.5, 1.0) * wait)
+    files = files or AttemptFiles()
+    try:
+        for attempt in range(1, max_attempts + 1):
+            table = catalog.load_table(identifier)
+            start_snapshot_id = table.metadata.current_snapshot_id
+            transaction = build(table, commit_id)
+            if transaction is None:
+                files.discard()
+                return CommitResult(table, None, attempt)
+            try:
+                committed = transaction.commit_transaction()
+                files.keep()
+                return CommitResult(committed, committed.current_snapshot(), attempt)
+            except CommitFailedException:
+                log.debug("commit %s on %s lost a race (attempt %d); retrying", commit_id, identifier, attempt)
+                files.discard()
+            except Exception:
+                # Unknown outcome: the write may have landed. Only the history can tell.
+                landed = find_commit(catalog.load_table(identifier), commit_id, start_snapshot_id)
+                if landed is None:
+                    raise
+                log.warning("commit %s on %s reported an error but landed as snapshot %s", commit_id, identifier, landed.snapshot_id)
+                files.keep()
+                return CommitResult(catalog.load_table(identifier), landed, attempt)
+            wait = min(max_wait_s, base_wait_s * 2 ** min(attempt, 10))
+            time.sleep(random.uniform(0.5, 1.0) * wait)
+    finally:
+        files.discard()  # an attempt that raised (or the last one, when retries ran out) never landed
     raise CommitRetriesExhausted(f"{identifier}: gave up after {max_attempts} concurrent-commit retries (commit {commit_id})")
 
 

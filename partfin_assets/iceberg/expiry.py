@@ -63,11 +63,12 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
     return keep
 
 
-def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int) -> int:
+def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int, *, has_ledger: bool = True) -> int:
     """Expire what retention allows once enough piled up; returns how many snapshots were expired.
 
     `table` is the caller's freshly committed view of the table; `window`: the watermark policy's
-    window per progress stream (kept).
+    window per progress stream (kept). `has_ledger=False`: a table partfin keeps beside cdc/base
+    (the ledger, a rejected table), whose snapshots record no checkpoints of their own.
     """
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
@@ -76,7 +77,7 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0
-    if any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
+    if has_ledger and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired)
 

@@ -47,8 +47,8 @@ from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.catalog import load_table_if_exists
-from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
-from partfin_assets.iceberg.files import data_files, delete_files, read_files, write_data_files
+from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.files import data_files, delete_files, read_files
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of, watermark_of
 from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
@@ -186,7 +186,7 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
     frame = pl.from_arrow(rows.select(["writer_id", "checkpoint_id"]))
     assert isinstance(frame, pl.DataFrame)
     left_out: set[str] = set()
-    written: list[DataFile] = []  # an attempt's compacted file(s): removed if that attempt does not land
+    attempt = AttemptFiles()  # an attempt's file(s): removed if that attempt does not land
 
     def build(table: Table, commit_id: str):
         left_out.clear()
@@ -215,21 +215,15 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
             f for f in data_files(table, current) if f.file_size_in_bytes < LEDGER_SMALL_FILE_BYTES
         ]
         if len(small) < LEDGER_MAX_SMALL_FILES:
-            tx.append(new, snapshot_properties=summary)
+            attempt.append(tx, table, new, summary)
             return tx
         # one small file per commit would pile up (readers open every one): fold them into one with the new rows
-        delete_files(table.io, [f.file_path for f in written])
-        written[:] = write_data_files(table, pa.concat_tables([read_files(table, small, deletes=[]), new.cast(LEDGER_ARROW_SCHEMA)]))
-        swap_files(tx, summary, small, written)
+        swap_files(tx, summary, small, attempt.write(table, pa.concat_tables([read_files(table, small, deletes=[]), new.cast(LEDGER_ARROW_SCHEMA)])))
         return tx
 
     if not catalog.table_exists(ledger_identifier(cdc_identifier)):  # created with the cdc table; a table older than the ledger
         ensure_ledger_table(catalog, cdc_identifier)
-    try:
-        result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build)
-    except BaseException:
-        delete_files(catalog.load_table(ledger_identifier(cdc_identifier)).io, [f.file_path for f in written])
-        raise
+    result = commit_with_retry(catalog, ledger_identifier(cdc_identifier), build, files=attempt)
     if result.snapshot is not None:
         _expire_ledger_snapshots(result.table)
     return left_out

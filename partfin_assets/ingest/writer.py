@@ -34,7 +34,7 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
-from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_due
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
@@ -356,6 +356,7 @@ class CdcWriter:
                 rows = rows.append_column(name, pa.nulls(count, data_type))
         rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason", *_KAFKA_POSITION])
         first, last = pc.min_max(rows.column("source_seq")).values()
+        files = AttemptFiles()
 
         def build(table: Table, commit_id: str):
             in_range = And(GreaterThanOrEqual("source_seq", first.as_py()), LessThanOrEqual("source_seq", last.as_py()))
@@ -366,10 +367,10 @@ class CdcWriter:
             if new.num_rows == 0:
                 return None
             tx = new_transaction(table)
-            tx.append(new.cast(table.schema().as_arrow()), snapshot_properties=snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
+            files.append(tx, table, new, snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
             return tx
 
-        commit_with_retry(self.catalog, self.spec.rejected_identifier, build)
+        commit_with_retry(self.catalog, self.spec.rejected_identifier, build, files=files)
         return count
 
     # ---- progress streams of a partitioned source

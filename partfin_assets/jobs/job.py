@@ -5,7 +5,9 @@ it records the snapshot it read, the partitions it targets and the files it wrot
 commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head
 (an OVERWRITE keeps what INTO commits appended after its start); UPDATE/DELETE and MERGE
 fail with `CommitConflictError` when a commit after their start touched their partitions.
-A job that fails or is abandoned deletes the files it wrote.
+A job that fails or is abandoned deletes the files it wrote. A job whose start snapshot expired
+while it read it (FileNotFoundError on its manifests) fails with `CommitConflictError` too: re-run
+from the current head like any other lost race.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from partfin_assets.jobs.conflicts import CommitConflictError, Conflict, commits
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
 from partfin_assets.model.summary_keys import JobKind
+from partfin_assets.testing.faults import pause_point
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,14 @@ class Job:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.committed is None:
             self.abort()
+        head = self._head_without_start() if isinstance(exc, FileNotFoundError) and self.committed is None else None
+        if head is not None:
+            # expiry removed the start snapshot (its manifest list) while the job read it: nothing of the job
+            # is visible, so it is a conflict like any other, and a re-run reads the current head
+            raise self._conflict(Conflict(
+                head.metadata.current_snapshot_id, frozenset(self.partitions or {WHOLE_TABLE}), None, None,
+                f"its start snapshot {self.start_snapshot_id} expired while it ran ({exc.filename or exc})",
+            )) from exc
 
     # ---- read side
 
@@ -270,6 +281,7 @@ class Job:
         """
         if self.committed is not None:
             raise RuntimeError(f"job {self.job_id} already committed")
+        pause_point("job-commit")
         for hook in self.before_commit:
             hook(self)
 
@@ -364,6 +376,16 @@ class Job:
             split = (live, [])
         self._split = (key, split)
         return split
+
+    def _head_without_start(self) -> Table | None:
+        """The table's head if the job's start snapshot is no longer in it (expired), else None."""
+        if self.start_snapshot_id is None:
+            return None
+        try:
+            head = self.catalog.load_table(self.identifier)
+        except Exception:  # noqa: BLE001 - the job's own error says more than a failed look
+            return None
+        return head if head.metadata.snapshot_by_id(self.start_snapshot_id) is None else None
 
     def _conflict(self, conflict: Conflict) -> CommitConflictError:
         return CommitConflictError(

@@ -1,13 +1,16 @@
-"""Table maintenance jobs: snapshot expiry on demand, and orphan-file removal.
+"""Table maintenance jobs: snapshot expiry on demand, and orphan-file removal, of every table partfin keeps for a table.
 
 Expiry keeps what the watermark policy and resumption need (iceberg/expiry.py; the writer also
-expires as it goes). Orphan removal deletes files under a table's location that no retained
-snapshot or metadata file references, and only those older than a safety age.
+expires as it goes). Orphan removal deletes regular files under a table's location that no retained
+snapshot or metadata file references, and only those older than a safety age; it never
+follows a link (to a folder or a file) out of the table's folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
@@ -15,11 +18,14 @@ from urllib.parse import unquote, urlparse
 from pyarrow import fs as pafs
 from pyiceberg.table import Table
 
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.tables import ledger_identifier
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitWindow
+from partfin_assets.model.tablespec import TableSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +37,38 @@ def policy_window(table: Table) -> CommitWindow:
     return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).window
 
 
-def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None) -> int:
-    """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need."""
+def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None, *, companion: bool = False) -> int:
+    """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need.
+
+    `companion`: a table partfin keeps beside cdc/base (MaintainedTable.companion).
+    """
     table = catalog.load_table(identifier)
     retention = retention or Retention()
-    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_window(table))
+    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_window(table), has_ledger=not companion)
+
+
+@dataclass(frozen=True)
+class MaintainedTable:
+    identifier: str
+    layer: str  # "cdc" | "base": the layer (and Dagster asset) it belongs to
+    companion: bool  # the ledger or a rejected table: written beside cdc/base, no checkpoints of its own
+
+
+def maintained_tables(catalog, name: str) -> list[MaintainedTable]:
+    """Every table partfin keeps for `name` that exists, in maintenance order: cdc.<name>, its late-data ledger
+    and rejected lines, base.<name> and its quarantined changes (none when cdc.<name> does not exist)."""
+    cdc = load_table_if_exists(catalog, f"cdc.{name}")
+    if cdc is None:
+        return []
+    spec = TableSpec.from_properties(name, cdc.properties)
+    candidates = [
+        MaintainedTable(spec.cdc_identifier, "cdc", False),
+        MaintainedTable(ledger_identifier(spec.cdc_identifier), "cdc", True),
+        MaintainedTable(spec.rejected_identifier, "cdc", True),
+        MaintainedTable(spec.base_identifier, "base", False),
+        MaintainedTable(spec.quarantine_identifier, "base", True),
+    ]
+    return [t for t in candidates if catalog.table_exists(t.identifier)]
 
 
 def _normalize(path: str) -> str:
@@ -80,9 +113,14 @@ class StoredFile:
 
 
 def list_table_files(location: str) -> list[StoredFile]:
-    """Every file under a table location (any pyarrow filesystem: local, S3, GCS, HDFS...)."""
+    """Every regular file under a table location (any pyarrow filesystem: local, S3, GCS, HDFS...).
+
+    Links are never followed, nor listed: a link to a folder or a file elsewhere is no file of the table.
+    """
 
     filesystem, root = pafs.FileSystem.from_uri(location)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return _list_local_files(root)  # pyarrow's recursive listing follows links to folders
     try:
         infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     except FileNotFoundError:
@@ -99,6 +137,20 @@ def list_table_files(location: str) -> list[StoredFile]:
     return out
 
 
+def _list_local_files(root: str) -> list[StoredFile]:
+    out = []
+    for folder, _, names in os.walk(root, followlinks=False):  # a link to a folder is never entered
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:  # deleted meanwhile (a failed job cleaning up)
+                continue
+            if stat.S_ISREG(info.st_mode):  # a link (to a file anywhere) is not one
+                out.append(StoredFile(path, info.st_size, info.st_mtime))
+    return out
+
+
 @dataclass
 class OrphanReport:
     table: str
@@ -111,6 +163,7 @@ class OrphanReport:
 
 
 DEFAULT_ORPHAN_AGE_S = 3600.0
+MAINTENANCE_ORPHAN_AGE_S = 24 * 3600  # the maintenance job's (and `partfin maintain`'s) safety age: a day
 
 
 def remove_orphan_files(

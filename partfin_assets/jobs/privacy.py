@@ -207,6 +207,9 @@ def privacy_delete(
     request_id = request_id or uuid.uuid4().hex
     cdc = load_existing_table(catalog, f"cdc.{name}")
     spec = TableSpec.from_properties(name, cdc.properties)
+    for key in keys:  # a key naming other columns would match nothing, or too much: refused before anything is read
+        if set(key) != set(spec.primary_key):
+            raise InvalidInput(f"key {key} does not name exactly the primary key {sorted(spec.primary_key)} of {name}")
     if not keys:
         return PrivacyDeleteResult(name, request_id, [], [])
     prune, mask = cdc_key_filter(keys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -39,3 +40,16 @@ def fail_point(name: str) -> None:
     """Failure tests: PARTFIN_FAIL_AT=<name> raises at point <name>, in every process that passes it."""
     if os.environ.get("PARTFIN_FAIL_AT") == name:
         raise RuntimeError(f"injected failure at {name} (PARTFIN_FAIL_AT)")
+
+
+def pause_point(name: str) -> None:
+    """Race tests: PARTFIN_PAUSE_AT=<name>:<path> parks the process at the first pass of point <name>: it creates
+    `<path>.reached` and goes on once `<path>` exists (the test commits what it races with in between)."""
+    spec = os.environ.get("PARTFIN_PAUSE_AT")
+    if not spec or not spec.startswith(name + ":"):
+        return
+    release = Path(spec.split(":", 1)[1])
+    del os.environ["PARTFIN_PAUSE_AT"]  # once per process: its retries run through
+    Path(f"{release}.reached").touch()
+    while not release.exists():
+        time.sleep(0.05)

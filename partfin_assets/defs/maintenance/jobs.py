@@ -7,7 +7,11 @@
   `request_id`): deletes the rows of those primary keys from cdc.<table>, then base.<table>;
   re-running the same request finishes a crashed one. Records deleted per table are recorded.
 - `maintain_<table>` (schedule daily, on by default): snapshot expiry, then orphan-file removal
-  of both tables (files younger than `orphan_min_age_seconds` are never deleted).
+  of both tables and the tables kept beside them (ledger, rejected, quarantine: jobs/maintenance.py);
+  files younger than `orphan_min_age_seconds` are never deleted.
+
+`partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli.py) call the same job functions
+with the same conflict retry policy, in process.
 
 Every op that can lose a race (CommitConflictError) is retried from a fresh snapshot, bounded
 (the one policy of jobs/retry.py, as step retries: defs/retry.py). Runs carry `partfin/maintenance: <table>` (compaction and
@@ -39,7 +43,6 @@ from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
-from partfin_assets.model.errors import InvalidInput
 
 
 # --------------------------------------------------------------------------- compaction
@@ -133,10 +136,6 @@ def build_privacy_job(table: PartfinTable):
 
     @op(name=f"privacy_delete_{name}_op", out=Out(Nothing), tags={"kind": "iceberg"})
     def privacy_op(context: OpExecutionContext, config: PrivacyDeleteConfig, catalog: IcebergCatalogResource) -> None:
-        pk = set(table.spec.primary_key)
-        for key in config.keys:
-            if set(key) != pk:
-                raise InvalidInput(f"key {key} does not name exactly the primary key {sorted(pk)} of {name}")
         iceberg = catalog.load()
         with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
             result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id)
@@ -180,6 +179,11 @@ def build_privacy_job(table: PartfinTable):
 # --------------------------------------------------------------------------- snapshot expiry + orphan files
 
 
+def _layer_key(table: PartfinTable, layer: str):
+    """The asset a maintained table's figures are reported on: cdc/<table> or base/<table>."""
+    return table.cdc_key if layer == "cdc" else table.base_key
+
+
 class MaintenanceConfig(Config):
     keep_last: int = Retention.keep_last  # newest snapshots always kept (plus the policy's window and writer positions)
     orphan_min_age_seconds: int | None = None  # default: the table declaration's orphan_min_age_seconds
@@ -192,26 +196,25 @@ def build_maintenance_job(table: PartfinTable):
     @op(name=f"expire_snapshots_{name}", out=Out(Nothing), tags={"kind": "iceberg"})
     def expire_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
-        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
-            if load_table_if_exists(iceberg, identifier) is None:
-                continue
-            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last))
+        for maintained in maintenance_core.maintained_tables(iceberg, name):
+            identifier = maintained.identifier
+            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last),
+                                                              companion=maintained.companion)
             left = len(iceberg.load_table(identifier).metadata.snapshots)
             context.log.info(f"{identifier}: {expired} snapshot(s) expired, {left} kept")
-            context.log_event(AssetObservation(asset_key=asset_key, metadata=
+            context.log_event(AssetObservation(asset_key=_layer_key(table, maintained.layer), metadata=
                 {"iceberg_table": identifier, "snapshots_expired": expired, "snapshots_kept": left}))
 
     @op(name=f"remove_orphans_{name}", ins={"after": In(Nothing)}, out=Out(Nothing), tags={"kind": "iceberg"})
     def orphans_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
         age = config.orphan_min_age_seconds if config.orphan_min_age_seconds is not None else table.orphan_min_age_seconds
-        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
-            if load_table_if_exists(iceberg, identifier) is None:
-                continue
+        for maintained in maintenance_core.maintained_tables(iceberg, name):
+            identifier = maintained.identifier
             report = maintenance_core.remove_orphan_files(iceberg, identifier, older_than_s=age, dry_run=config.dry_run)
             context.log.info(f"{identifier}: {len(report.orphans)} orphan file(s) {'found' if config.dry_run else 'deleted'}, "
                              f"{len(report.too_young)} younger than {age}s kept")
-            context.log_event(AssetObservation(asset_key=asset_key, metadata={
+            context.log_event(AssetObservation(asset_key=_layer_key(table, maintained.layer), metadata={
                 "iceberg_table": identifier, "orphan_files": len(report.orphans), "orphan_bytes": report.bytes_orphaned,
                 "too_young": len(report.too_young), "files_scanned": report.scanned, "dry_run": config.dry_run,
                 "orphan_min_age_seconds": age}))
@@ -219,6 +222,7 @@ def build_maintenance_job(table: PartfinTable):
     return _scheduled_two_step_job(
         table, "maintain", expire_op, orphans_op, table.maintenance_cron,
         f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
-        f"removal, of cdc.{name} and base.{name}.",
+        f"removal, of cdc.{name}, base.{name} and the tables partfin keeps beside them (the late-data ledger, "
+        "rejected lines, quarantined changes). `partfin maintain` runs the same.",
         f"Expires snapshots and removes orphan files of {name} daily.",
     )

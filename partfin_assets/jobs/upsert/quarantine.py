@@ -22,7 +22,7 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.tables import QUARANTINE_SCHEMA, ensure_quarantine_table
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import RECORD_IDENTITY, records_not_in
@@ -39,6 +39,7 @@ def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_s
     rows = unfit.append_column("cdc_snapshot_id", pa.array([cdc_snapshot_id] * unfit.num_rows, pa.int64()))
     rows = rows.select(QUARANTINE_SCHEMA.column_names)
     added = 0
+    files = AttemptFiles()
 
     def build(table: Table, commit_id: str):
         nonlocal added
@@ -48,10 +49,10 @@ def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_s
             return None
         tx = new_transaction(table)
         summary = snapshot_summary_with_commit_id({K.QUARANTINED_RECORDS: str(added)}, commit_id, JobKind.INTO)
-        tx.append(new.cast(table.schema().as_arrow()), snapshot_properties=summary)
+        files.append(tx, table, new, summary)
         return tx
 
-    commit_with_retry(catalog, spec.quarantine_identifier, build)
+    commit_with_retry(catalog, spec.quarantine_identifier, build, files=files)
     return added
 
 
