@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
 def crash_point(name: str) -> None:
-    """Crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process (SIGKILL) at the n-th pass of point <name>."""
+    """Crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process (SIGKILL) at the n-th pass of point <name>.
+
+    Every crash point is also a pause point (`pause_point`)."""
+    pause_point(name)
     spec = os.environ.get("PARTFIN_CRASH_AT")
     if not spec or not spec.startswith(name + ":"):
         return
@@ -39,3 +43,18 @@ def fail_point(name: str) -> None:
     """Failure tests: PARTFIN_FAIL_AT=<name> raises at point <name>, in every process that passes it."""
     if os.environ.get("PARTFIN_FAIL_AT") == name:
         raise RuntimeError(f"injected failure at {name} (PARTFIN_FAIL_AT)")
+
+
+def pause_point(name: str) -> None:
+    """Race tests between real processes: with PARTFIN_PAUSE_AT=<name> and PARTFIN_PAUSE_DIR=<dir>, the first pass of
+    point <name> creates <dir>/<name>.reached and waits until the test creates <dir>/<name>.go (at most 10 minutes)."""
+    if os.environ.get("PARTFIN_PAUSE_AT") != name or not os.environ.get("PARTFIN_PAUSE_DIR"):
+        return
+    del os.environ["PARTFIN_PAUSE_AT"]  # the first pass only
+    folder = Path(os.environ["PARTFIN_PAUSE_DIR"])
+    (folder / f"{name}.reached").touch()
+    deadline = time.monotonic() + 600
+    while not (folder / f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pause point {name}: never released (PARTFIN_PAUSE_DIR={folder})")
+        time.sleep(0.02)
