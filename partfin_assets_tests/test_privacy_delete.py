@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
@@ -73,11 +74,12 @@ def test_privacy_delete_removes_the_keys_from_both_tables(loaded):
 def test_a_crash_between_the_tables_is_finished_by_a_rerun(loaded):
     catalog = loaded
 
-    def crash():
-        raise KeyboardInterrupt("killed between the two tables")
+    def crash(step):
+        if step == "cdc.orders":
+            raise KeyboardInterrupt("killed between the two tables")
 
     with pytest.raises(KeyboardInterrupt):
-        privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2", between_tables=crash)
+        privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2", after_step=crash)
     assert '{"id":5}' not in cdc_keys(catalog) and 5 in base_ids(catalog)
     result = privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2")
     assert result.cdc == [] and result.base_deleted == 1
@@ -85,18 +87,50 @@ def test_a_crash_between_the_tables_is_finished_by_a_rerun(loaded):
 
 
 def test_a_concurrent_append_of_the_key_is_caught_by_the_next_round(loaded):
+    """Another engine (a plain INTO job: it knows nothing of erasures) appends the key during the delete."""
+    from partfin_assets.jobs.job import Job
+    from partfin_assets.model.records import with_source_log
+    from partfin_assets_tests.table_helpers import commit_append
+
     catalog = loaded
-    writer = CdcWriter(catalog, ORDERS, writer_id="late")
     calls = []
 
     def append_key_elsewhere(job):
         if job.identifier == "cdc.orders" and not calls:
             calls.append(job.job_id)
             # a new hour: no conflict with the delete's partitions, but the key is back
-            writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+            rows = with_source_log(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]).records, "other")
+            with Job.start(catalog, "cdc.orders", JobKind.INTO) as other:
+                commit_append(other, other.write(rows.append_column("arrival_time", pa.nulls(2, pa.timestamp("us", tz="UTC"))).select(
+                    ["key", "op", "event_time", "source_seq", "payload", "arrival_time", "source_log"])))
 
     result = privacy_delete(catalog, "orders", [{"id": 11}], before_commit=append_key_elsewhere)
     assert len(result.cdc) == 2  # the second round removed what the concurrent append brought
+    assert '{"id":11}' not in cdc_keys(catalog) and '{"id":12}' in cdc_keys(catalog)
+
+
+def test_a_writer_that_read_before_the_request_commits_nothing_of_the_key(loaded):
+    """The CDC writer prepared its batch (filtered with no erasure) before the request; it commits while the delete
+    runs: its commit sees the fence, the batch is void and read again without the key."""
+    from partfin_assets.ingest.writer import ErasedMeanwhile
+
+    catalog = loaded
+    writer = CdcWriter(catalog, ORDERS, writer_id="late")
+    prepared = writer.prepare(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+    written = writer.write_shares(prepared)
+    outcome = []
+
+    def writer_commits(job):
+        if job.identifier == "cdc.orders" and not outcome:
+            with pytest.raises(ErasedMeanwhile) as void:
+                writer.commit_checkpoint(prepared, written)
+            outcome.append(void.value)
+
+    privacy_delete(catalog, "orders", [{"id": 11}], before_commit=writer_commits)
+    assert outcome and '{"id":11}' not in cdc_keys(catalog)
+    assert writer.position == outcome[0].position  # read again from where it was
+    again = writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+    assert again.summary[K.PRIVACY_ERASED_RECORDS] == "1"
     assert '{"id":11}' not in cdc_keys(catalog) and '{"id":12}' in cdc_keys(catalog)
 
 

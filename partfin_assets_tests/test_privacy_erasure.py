@@ -75,7 +75,6 @@ def live_rows_of_erased(home: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="issue 23 §1: rejected lines and the quarantine keep the key; a replay and re-delivered changes bring it back")
 def test_one_request_erases_the_key_everywhere_and_nothing_brings_it_back(tmp_path):
     home, dagster_home = tmp_path / "home", tmp_path / "dagster"
     path = tmp_path / "orders.jsonl"
@@ -164,7 +163,6 @@ def paused_partfin(home: Path, pause_dir: Path, point: str, *args: str) -> subpr
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="issue 23 §2: an upsert in flight commits the key after the delete reported it deleted")
 def test_an_upsert_in_flight_never_brings_the_key_back_after_the_delete_is_done(tmp_path):
     home, dagster_home, pauses = tmp_path / "home", tmp_path / "dagster", tmp_path / "pauses"
     pauses.mkdir()

@@ -103,21 +103,21 @@ def ledger_identifier(cdc_identifier: str) -> str:
 
 def ensure_ledger_table(catalog: Catalog, cdc_identifier: str) -> Table:
     identifier = ledger_identifier(cdc_identifier)
-    _create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     _add_missing_columns(catalog, identifier, LEDGER_SCHEMA)
     return catalog.load_table(identifier)
 
 
 def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "cdc")
-    _create_if_absent(
+    create_if_absent(
         catalog,
         spec.cdc_identifier,
         CDC_SCHEMA,
         CDC_PARTITION_SPEC,
         {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
     )
-    _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     ensure_ledger_table(catalog, spec.cdc_identifier)
     _add_missing_columns(catalog, spec.cdc_identifier, CDC_SCHEMA)
     _add_missing_columns(catalog, spec.rejected_identifier, REJECTED_SCHEMA)
@@ -143,7 +143,7 @@ def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> N
             raise
 
 
-def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
+def create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
     if catalog.table_exists(identifier):
         return
     try:
@@ -168,7 +168,7 @@ QUARANTINE_SCHEMA = Schema(
 
 def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "base")
-    _create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     return catalog.load_table(spec.quarantine_identifier)
 
 

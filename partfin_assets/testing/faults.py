@@ -46,11 +46,13 @@ def fail_point(name: str) -> None:
 
 
 def pause_point(name: str) -> None:
-    """Race tests between real processes: with PARTFIN_PAUSE_AT=<name> and PARTFIN_PAUSE_DIR=<dir>, the first pass of
-    point <name> creates <dir>/<name>.reached and waits until the test creates <dir>/<name>.go (at most 10 minutes)."""
-    if os.environ.get("PARTFIN_PAUSE_AT") != name or not os.environ.get("PARTFIN_PAUSE_DIR"):
+    """Race tests between real processes: with PARTFIN_PAUSE_AT=<name>[,<name>...] and PARTFIN_PAUSE_DIR=<dir>, the
+    first pass of point <name> creates <dir>/<name>.reached and waits until the test creates <dir>/<name>.go (at
+    most 10 minutes)."""
+    names = [n for n in os.environ.get("PARTFIN_PAUSE_AT", "").split(",") if n]
+    if name not in names or not os.environ.get("PARTFIN_PAUSE_DIR"):
         return
-    del os.environ["PARTFIN_PAUSE_AT"]  # the first pass only
+    os.environ["PARTFIN_PAUSE_AT"] = ",".join(n for n in names if n != name)  # the first pass only
     folder = Path(os.environ["PARTFIN_PAUSE_DIR"])
     (folder / f"{name}.reached").touch()
     deadline = time.monotonic() + 600
