@@ -201,3 +201,53 @@ def test_upsert_conflicts_with_a_base_delete_only_in_its_buckets(loaded, same_bu
     assert result.attempts == 1
     assert victim not in base_ids(catalog)
     assert result.updated == 1
+
+
+def files_holding(catalog, spec, key: int) -> list[str]:
+    """Data files under any of the table's locations (referenced or not) holding a row or raw line of `key`."""
+    import re
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    names = re.compile(rf'\\?"id\\?"\s*:\s*{key}(?![0-9.])')
+    found = []
+    for identifier in spec.row_identifiers:
+        location = Path(catalog.load_table(identifier).metadata.location.removeprefix("file://"))
+        for path in sorted(location.rglob("*.parquet")):
+            rows = pq.read_table(path).to_pylist()
+            if any(r.get("id") == key or any(isinstance(v, str) and names.search(v) for v in r.values()) for r in rows):
+                found.append(str(path.relative_to(location.parent)))
+    return found
+
+
+def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
+    """After the request, once 10 newer snapshots, the policy window (min-of-last:3) and the writer's newest checkpoint
+    have moved past it and an upsert moved the merged tag, one maintenance run (expiry, orphan removal) of every table
+    leaves no file on storage holding the key (the rejected tables' too)."""
+    from partfin_assets.iceberg.expiry import Retention as KeepAll
+    from partfin_assets.jobs.maintenance import expire_table_snapshots, remove_orphan_files, table_retention
+    from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
+
+    writer = CdcWriter(catalog, ORDERS, retention=KeepAll(keep_last=10_000))  # only maintenance expires here
+    bad = pa.table({"source_seq": [999], "raw": ['{"after":{"id":7,"amount":'], "reason": ["not JSON"]}, schema=REJECTED_RECORD_SCHEMA)
+    for h in range(3):
+        batch = change_batch(T0_US + h * HOUR_US + np.arange(20) * MINUTE_US, offset=str(h), seq_start=h * 100, keys=list(range(20)))
+        writer.write_checkpoint(ChangeBatch(batch.records, offset=str(h), rejected=bad if h == 0 else batch.rejected))
+    run_upsert(catalog, "orders")
+    spec = ORDERS
+    privacy_delete(catalog, "orders", [{"id": 7}], request_id="gdpr-hard")
+    held = files_holding(catalog, spec, 7)
+    print("\nfiles still holding the key after the delete:", len(held))
+    assert held  # older snapshots still reference them
+    for i in range(11):  # the table goes on: more than keep_last (10) and the policy window (3) of newer commits
+        writer.write_checkpoint(change_batch(T0_US + 4 * HOUR_US + np.arange(2) * MINUTE_US + i, offset=f"n{i}", seq_start=1000 + i * 10, keys=[30, 31]))
+    run_upsert(catalog, "orders")  # moves cdc's partfin-base-merged tag past the delete
+    for _ in range(10):  # base's newer snapshots (upserts)
+        writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(1) * MINUTE_US + _, offset=f"b{_}", seq_start=2000 + _ * 10, keys=[32]))
+        run_upsert(catalog, "orders")
+    for identifier in spec.row_identifiers:  # maintain_<table>
+        expire_table_snapshots(catalog, identifier, table_retention(spec, identifier, KeepAll()))
+        remove_orphan_files(catalog, identifier, older_than_s=0)
+    assert files_holding(catalog, spec, 7) == []
+    assert 7 not in base_ids(catalog) and sorted(base_ids(catalog)) == sorted(set(range(20)) - {7} | {30, 31, 32})

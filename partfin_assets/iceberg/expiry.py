@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 class Retention:
     keep_last: int = 10  # newest snapshots of main always kept
     slack: int = 10  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
+    # False: a table whose snapshot summaries nothing reads back (the rejected tables): keep only the newest
+    # `keep_last` and what refs point at, not the policy windows and writers' checkpoints a cdc table keeps
+    summaries: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last < 1 or self.slack < 0:
@@ -72,11 +75,15 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
         return 0
-    keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
+    if retention.summaries:
+        keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
+    else:
+        keep = {ref.snapshot_id for ref in table.metadata.refs.values()}
+        keep |= {s.snapshot_id for s in list(lineage(table.metadata))[: retention.keep_last]}
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0
-    if any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
+    if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired)
 

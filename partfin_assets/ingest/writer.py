@@ -217,6 +217,13 @@ class CdcWriter:
         return PreparedCheckpoint(records, batch.offset, batch.rejected, heartbeat_us, batch.stream, stream_id,
                                   self.source_identity, self._source_streams, erasures.version, erased)
 
+    def _erases_some(self, prepared: PreparedCheckpoint, table: Table) -> bool:
+        """Whether the erasures `table` (a commit attempt's fresh metadata) is fenced at cover a record of `prepared`
+        (True when its records no longer carry their keys: a fanned-out commit step)."""
+        self._erasures = current_erasures(self.catalog, self.spec, table, self.erasures())
+        records = prepared.records
+        return "key" not in records.column_names or bool(self._erasures.erased(records.column("key"), records.column("event_time")).any())
+
     def erasures(self) -> Erasures:
         """The erasures in force, as of this writer's view of the table (every commit attempt checks the fresh one)."""
         if self._erasures is None or fence_of(self.table.properties) > self._erasures.version:
@@ -298,8 +305,8 @@ class CdcWriter:
             if committed != start:  # compare-and-set on the committed source position
                 fenced.append(committed)
                 return None
-            if fence_of(table.properties) > prepared.erasures_version:  # a privacy request came after the filter
-                erased_meanwhile.append(fence_of(table.properties))
+            if fence_of(table.properties) > prepared.erasures_version and self._erases_some(prepared, table):
+                erased_meanwhile.append(fence_of(table.properties))  # a privacy request came after the filter
                 return None
             clock_us = to_us(self.clock())
             streams = streams_of(table.properties)

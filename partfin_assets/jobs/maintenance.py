@@ -7,6 +7,7 @@ snapshot or metadata file references, and only those older than a safety age.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from partfin_assets.iceberg.files import delete_files
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitWindow
+from partfin_assets.model.tablespec import TableSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,15 @@ def expire_table_snapshots(catalog, identifier: str, retention: Retention | None
     """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need."""
     table = catalog.load_table(identifier)
     retention = retention or Retention()
-    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_window(table))
+    return expire_snapshots(table, dataclasses.replace(retention, slack=0), policy_window(table))
+
+
+def table_retention(spec: TableSpec, identifier: str, retention: Retention) -> Retention:
+    """The retention of one of `spec`'s tables: the rejected tables keep only their current snapshot (they hold bad
+    input nobody reads back in time), so the files a privacy request rewrote there go at the next maintenance."""
+    if identifier in (spec.rejected_identifier, spec.quarantine_identifier):
+        return Retention(keep_last=1, summaries=False)
+    return retention
 
 
 def _normalize(path: str) -> str:

@@ -9,7 +9,8 @@
   docs/privacy.md); re-running the same request finishes a crashed one. Records deleted per table
   are recorded.
 - `maintain_<table>` (schedule daily, on by default): snapshot expiry, then orphan-file removal
-  of both tables (files younger than `orphan_min_age_seconds` are never deleted).
+  of cdc.<table>, base.<table> and their rejected tables (files younger than
+  `orphan_min_age_seconds` are never deleted).
 
 Every op that can lose a race (CommitConflictError) is retried from a fresh snapshot, bounded
 (the one policy of jobs/retry.py, as step retries: defs/retry.py). Runs carry `partfin/maintenance: <table>` (compaction and
@@ -193,16 +194,23 @@ class MaintenanceConfig(Config):
     dry_run: bool = False  # list orphan files without deleting them
 
 
+def _maintained(table: PartfinTable) -> list[tuple]:
+    """(asset key, table) of every table holding the table's rows or raw lines: the rejected tables too, so the files a
+    privacy request rewrote go from them as well."""
+    return [(table.base_key if i.startswith("base.") else table.cdc_key, i) for i in table.spec.row_identifiers]
+
+
 def build_maintenance_job(table: PartfinTable):
     name = table.name
 
     @op(name=f"expire_snapshots_{name}", out=Out(Nothing), tags={"kind": "iceberg"})
     def expire_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
-        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
+        for asset_key, identifier in _maintained(table):
             if load_table_if_exists(iceberg, identifier) is None:
                 continue
-            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last))
+            retention = maintenance_core.table_retention(table.spec, identifier, Retention(keep_last=config.keep_last))
+            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, retention)
             left = len(iceberg.load_table(identifier).metadata.snapshots)
             context.log.info(f"{identifier}: {expired} snapshot(s) expired, {left} kept")
             context.log_event(AssetObservation(asset_key=asset_key, metadata=
@@ -212,7 +220,7 @@ def build_maintenance_job(table: PartfinTable):
     def orphans_op(context: OpExecutionContext, config: MaintenanceConfig, catalog: IcebergCatalogResource) -> None:
         iceberg = catalog.load()
         age = config.orphan_min_age_seconds if config.orphan_min_age_seconds is not None else table.orphan_min_age_seconds
-        for asset_key, identifier in ((table.cdc_key, f"cdc.{name}"), (table.base_key, f"base.{name}")):
+        for asset_key, identifier in _maintained(table):
             if load_table_if_exists(iceberg, identifier) is None:
                 continue
             report = maintenance_core.remove_orphan_files(iceberg, identifier, older_than_s=age, dry_run=config.dry_run)
@@ -226,6 +234,6 @@ def build_maintenance_job(table: PartfinTable):
     return _scheduled_two_step_job(
         table, "maintain", expire_op, orphans_op, table.maintenance_cron,
         f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
-        f"removal, of cdc.{name} and base.{name}.",
+        f"removal, of cdc.{name}, base.{name} and their rejected tables (the hard erase of a privacy request).",
         f"Expires snapshots and removes orphan files of {name} daily.",
     )
