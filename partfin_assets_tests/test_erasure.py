@@ -99,3 +99,23 @@ def test_the_quarantine_filters_a_request_registered_after_its_rows_were_read(ca
     })
     assert quarantine_changes(catalog, spec, unfit, 1, stale) == 1
     assert catalog.load_table(spec.quarantine_identifier).scan().to_arrow().column("key").to_pylist() == ['{"id":5}']
+
+
+def test_a_replay_that_read_before_the_request_fails_and_its_rerun_leaves_the_key_out(catalog):
+    from partfin_assets.jobs.conflicts import CommitConflictError
+
+    writer = CdcWriter(catalog, ORDERS)
+    batch = change_batch(T0_US + np.arange(4) * MINUTE_US, offset="1", keys=[1, 42, 2, 42])
+    writer.write_checkpoint(batch)
+    fired = []
+
+    def request_meanwhile(job):
+        if not fired:
+            fired.append(privacy_delete(catalog, "orders", [{"id": 42}], request_id="r1"))
+
+    with pytest.raises(CommitConflictError) as lost:
+        replay_hour(catalog, "orders", T0_US, batch.records, before_commit=request_meanwhile)
+    assert "privacy request" in lost.value.reason
+    assert '{"id":42}' not in catalog.load_table("cdc.orders").scan().to_arrow().column("key").to_pylist()
+    replay_hour(catalog, "orders", T0_US, batch.records)
+    assert sorted(catalog.load_table("cdc.orders").scan().to_arrow().column("key").to_pylist()) == ['{"id":1}', '{"id":2}']

@@ -120,8 +120,7 @@ def run_interleaving(tmp_path: Path, read: int, commit: int, base_holds_the_key:
         at_gap(len(STEPS))  # after the delete returned
     finally:
         upsert.stop()
-    print(f"read in gap {read}, commit in gap {commit}: deleted {result.cdc_deleted} cdc, {result.base_deleted} base, "
-          f"{result.quarantine_deleted} quarantined, {result.rejected_redacted} raw line(s); upsert: "
+    print(f"read in gap {read}, commit in gap {commit}: deleted {result.deleted_by_table()}; upsert: "
           + " | ".join(upsert.output.strip().splitlines()[:1]))
     assert where_the_key_is(home) == {}
     base = {r["id"]: r["amount"] for r in load_partfin_catalog(home).load_table("base.orders").scan().to_arrow().to_pylist()}

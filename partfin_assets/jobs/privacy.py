@@ -225,17 +225,13 @@ class PrivacyDeleteResult:
     def base_deleted(self) -> int:
         return sum(r.deleted_records for r in self.base)
 
-    @property
-    def rejected_redacted(self) -> int:
-        return sum(r.deleted_records for r in self.rejected)
-
-    @property
-    def quarantine_deleted(self) -> int:
-        return sum(r.deleted_records for r in self.quarantine)
-
     def by_table(self) -> dict[str, list[DeleteResult]]:
         return {f"cdc.{self.table}": self.cdc, f"cdc.{self.table}__rejected": self.rejected,
                 f"base.{self.table}": self.base, f"base.{self.table}__rejected": self.quarantine}
+
+    def deleted_by_table(self) -> dict[str, int]:
+        """Records removed per table (raw lines whose text was removed, for the rejected lines)."""
+        return {identifier: sum(r.deleted_records for r in results) for identifier, results in self.by_table().items()}
 
 
 def privacy_delete(

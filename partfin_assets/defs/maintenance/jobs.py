@@ -148,7 +148,7 @@ def build_privacy_job(table: PartfinTable):
         iceberg = catalog.load()
         with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
             result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id, erased_before_us=erase_before)
-        counts = {identifier: sum(r.deleted_records for r in results) for identifier, results in result.by_table().items()}
+        counts = result.deleted_by_table()
         context.log.info(
             f"privacy delete {config.request_id} ({len(config.keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
             + ", ".join(f"{n} record(s) in {identifier}" for identifier, n in counts.items())
