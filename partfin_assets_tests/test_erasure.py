@@ -119,3 +119,12 @@ def test_a_replay_that_read_before_the_request_fails_and_its_rerun_leaves_the_ke
     assert '{"id":42}' not in catalog.load_table("cdc.orders").scan().to_arrow().column("key").to_pylist()
     replay_hour(catalog, "orders", T0_US, batch.records)
     assert sorted(catalog.load_table("cdc.orders").scan().to_arrow().column("key").to_pylist()) == ['{"id":1}', '{"id":2}']
+
+
+def test_status_lists_the_tables_not_the_registry(catalog):
+    from partfin_assets.finalization.status import all_table_status
+
+    CdcWriter(catalog, ORDERS).write_checkpoint(change_batch(T0_US + np.arange(2) * MINUTE_US, offset="1", keys=[1, 42]))
+    privacy_delete(catalog, "orders", [{"id": 42}], request_id="r1")
+    assert catalog.table_exists(erasures_identifier(ORDERS))
+    assert [s.name for s in all_table_status(catalog)] == ["cdc.orders"]
