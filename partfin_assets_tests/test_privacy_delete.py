@@ -221,6 +221,20 @@ def files_holding(catalog, spec, key: int) -> list[str]:
     return found
 
 
+def manifest_bounds_naming(catalog, spec, text: bytes) -> list[str]:
+    """Manifest entries (removed files' too) of every retained snapshot whose column bounds hold `text`."""
+    found = []
+    for identifier in spec.row_identifiers:
+        table = catalog.load_table(identifier)
+        for snapshot in table.metadata.snapshots:
+            for manifest in snapshot.manifests(table.io):
+                for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                    bounds = list((entry.data_file.lower_bounds or {}).values()) + list((entry.data_file.upper_bounds or {}).values())
+                    if any(text in bytes(b) for b in bounds):
+                        found.append(f"{identifier} {manifest.manifest_path}")
+    return found
+
+
 def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
     """After the request, once 10 newer snapshots, the policy window (min-of-last:3) and the writer's newest checkpoint
     have moved past it and an upsert moved the merged tag, one maintenance run (expiry, orphan removal) of every table
@@ -240,6 +254,8 @@ def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
     held = files_holding(catalog, spec, 7)
     print("\nfiles still holding the key after the delete:", len(held))
     assert held  # older snapshots still reference them
+    # the rejected tables keep no column bounds: the first bytes of a raw line never reach a manifest
+    assert manifest_bounds_naming(catalog, spec, b'"id":7') == []
     for i in range(11):  # the table goes on: more than keep_last (10) and the policy window (3) of newer commits
         writer.write_checkpoint(change_batch(T0_US + 4 * HOUR_US + np.arange(2) * MINUTE_US + i, offset=f"n{i}", seq_start=1000 + i * 10, keys=[30, 31]))
     run_upsert(catalog, "orders")  # moves cdc's partfin-base-merged tag past the delete
@@ -250,4 +266,5 @@ def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
         expire_table_snapshots(catalog, identifier, table_retention(spec, identifier, KeepAll()))
         remove_orphan_files(catalog, identifier, older_than_s=0)
     assert files_holding(catalog, spec, 7) == []
+    assert manifest_bounds_naming(catalog, spec, b'"id":7') == []  # column bounds of the removed files went too
     assert 7 not in base_ids(catalog) and sorted(base_ids(catalog)) == sorted(set(range(20)) - {7} | {30, 31, 32})

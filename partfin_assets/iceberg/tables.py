@@ -42,7 +42,7 @@ from pyiceberg.types import (
 )
 
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
-from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction
+from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction, set_table_properties
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
@@ -117,11 +117,24 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
         CDC_PARTITION_SPEC,
         {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
     )
-    create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), {**MANAGED_TABLE_PROPERTIES, **NO_COLUMN_BOUNDS})
     ensure_ledger_table(catalog, spec.cdc_identifier)
     _add_missing_columns(catalog, spec.cdc_identifier, CDC_SCHEMA)
     _add_missing_columns(catalog, spec.rejected_identifier, REJECTED_SCHEMA)
+    _ensure_properties(catalog, spec.rejected_identifier, NO_COLUMN_BOUNDS)
     return ensure_managed_properties(catalog, spec.cdc_identifier)
+
+
+# The rejected tables hold raw lines and payloads a privacy request may have to erase: their manifests keep no
+# column bounds (which would copy the first bytes of a line), and nothing prunes on them (they are read whole).
+NO_COLUMN_BOUNDS = {"write.metadata.metrics.default": "none"}
+
+
+def _ensure_properties(catalog: Catalog, identifier: str, properties: dict[str, str]) -> None:
+    """A table created before these properties existed gets them (its files written from now on follow them)."""
+    table = catalog.load_table(identifier)
+    if any(table.properties.get(k) != v for k, v in properties.items()):
+        set_table_properties(catalog, identifier, properties)
 
 
 def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> None:
@@ -168,7 +181,8 @@ QUARANTINE_SCHEMA = Schema(
 
 def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "base")
-    create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), {**MANAGED_TABLE_PROPERTIES, **NO_COLUMN_BOUNDS})
+    _ensure_properties(catalog, spec.quarantine_identifier, NO_COLUMN_BOUNDS)
     return catalog.load_table(spec.quarantine_identifier)
 
 
