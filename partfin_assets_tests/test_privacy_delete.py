@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
@@ -73,11 +74,12 @@ def test_privacy_delete_removes_the_keys_from_both_tables(loaded):
 def test_a_crash_between_the_tables_is_finished_by_a_rerun(loaded):
     catalog = loaded
 
-    def crash():
-        raise KeyboardInterrupt("killed between the two tables")
+    def crash(step):
+        if step == "cdc.orders":
+            raise KeyboardInterrupt("killed between the two tables")
 
     with pytest.raises(KeyboardInterrupt):
-        privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2", between_tables=crash)
+        privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2", after_step=crash)
     assert '{"id":5}' not in cdc_keys(catalog) and 5 in base_ids(catalog)
     result = privacy_delete(catalog, "orders", [{"id": 5}], request_id="gdpr-2")
     assert result.cdc == [] and result.base_deleted == 1
@@ -85,18 +87,50 @@ def test_a_crash_between_the_tables_is_finished_by_a_rerun(loaded):
 
 
 def test_a_concurrent_append_of_the_key_is_caught_by_the_next_round(loaded):
+    """Another engine (a plain INTO job: it knows nothing of erasures) appends the key during the delete."""
+    from partfin_assets.jobs.job import Job
+    from partfin_assets.model.records import with_source_log
+    from partfin_assets_tests.table_helpers import commit_append
+
     catalog = loaded
-    writer = CdcWriter(catalog, ORDERS, writer_id="late")
     calls = []
 
     def append_key_elsewhere(job):
         if job.identifier == "cdc.orders" and not calls:
             calls.append(job.job_id)
             # a new hour: no conflict with the delete's partitions, but the key is back
-            writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+            rows = with_source_log(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]).records, "other")
+            with Job.start(catalog, "cdc.orders", JobKind.INTO) as other:
+                commit_append(other, other.write(rows.append_column("arrival_time", pa.nulls(2, pa.timestamp("us", tz="UTC"))).select(
+                    ["key", "op", "event_time", "source_seq", "payload", "arrival_time", "source_log"])))
 
     result = privacy_delete(catalog, "orders", [{"id": 11}], before_commit=append_key_elsewhere)
     assert len(result.cdc) == 2  # the second round removed what the concurrent append brought
+    assert '{"id":11}' not in cdc_keys(catalog) and '{"id":12}' in cdc_keys(catalog)
+
+
+def test_a_writer_that_read_before_the_request_commits_nothing_of_the_key(loaded):
+    """The CDC writer prepared its batch (filtered with no erasure) before the request; it commits while the delete
+    runs: its commit sees the fence, the batch is void and read again without the key."""
+    from partfin_assets.ingest.writer import ErasedMeanwhile
+
+    catalog = loaded
+    writer = CdcWriter(catalog, ORDERS, writer_id="late")
+    prepared = writer.prepare(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+    written = writer.write_shares(prepared)
+    outcome = []
+
+    def writer_commits(job):
+        if job.identifier == "cdc.orders" and not outcome:
+            with pytest.raises(ErasedMeanwhile) as void:
+                writer.commit_checkpoint(prepared, written)
+            outcome.append(void.value)
+
+    privacy_delete(catalog, "orders", [{"id": 11}], before_commit=writer_commits)
+    assert outcome and '{"id":11}' not in cdc_keys(catalog)
+    assert writer.position == outcome[0].position  # read again from where it was
+    again = writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(2) * MINUTE_US, offset="x", seq_start=900, keys=[11, 12]))
+    assert again.summary[K.PRIVACY_ERASED_RECORDS] == "1"
     assert '{"id":11}' not in cdc_keys(catalog) and '{"id":12}' in cdc_keys(catalog)
 
 
@@ -167,3 +201,70 @@ def test_upsert_conflicts_with_a_base_delete_only_in_its_buckets(loaded, same_bu
     assert result.attempts == 1
     assert victim not in base_ids(catalog)
     assert result.updated == 1
+
+
+def files_holding(catalog, spec, key: int) -> list[str]:
+    """Data files under any of the table's locations (referenced or not) holding a row or raw line of `key`."""
+    import re
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    names = re.compile(rf'\\?"id\\?"\s*:\s*{key}(?![0-9.])')
+    found = []
+    for identifier in spec.row_identifiers:
+        location = Path(catalog.load_table(identifier).metadata.location.removeprefix("file://"))
+        for path in sorted(location.rglob("*.parquet")):
+            rows = pq.read_table(path).to_pylist()
+            if any(r.get("id") == key or any(isinstance(v, str) and names.search(v) for v in r.values()) for r in rows):
+                found.append(str(path.relative_to(location.parent)))
+    return found
+
+
+def manifest_bounds_naming(catalog, spec, text: bytes) -> list[str]:
+    """Manifest entries (removed files' too) of every retained snapshot whose column bounds hold `text`."""
+    found = []
+    for identifier in spec.row_identifiers:
+        table = catalog.load_table(identifier)
+        for snapshot in table.metadata.snapshots:
+            for manifest in snapshot.manifests(table.io):
+                for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                    bounds = list((entry.data_file.lower_bounds or {}).values()) + list((entry.data_file.upper_bounds or {}).values())
+                    if any(text in bytes(b) for b in bounds):
+                        found.append(f"{identifier} {manifest.manifest_path}")
+    return found
+
+
+def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
+    """After the request, once 10 newer snapshots, the policy window (min-of-last:3) and the writer's newest checkpoint
+    have moved past it and an upsert moved the merged tag, one maintenance run (expiry, orphan removal) of every table
+    leaves no file on storage holding the key (the rejected tables' too)."""
+    from partfin_assets.iceberg.expiry import Retention as KeepAll
+    from partfin_assets.jobs.maintenance import expire_table_snapshots, remove_orphan_files, table_retention
+    from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
+
+    writer = CdcWriter(catalog, ORDERS, retention=KeepAll(keep_last=10_000))  # only maintenance expires here
+    bad = pa.table({"source_seq": [999], "raw": ['{"after":{"id":7,"amount":'], "reason": ["not JSON"]}, schema=REJECTED_RECORD_SCHEMA)
+    for h in range(3):
+        batch = change_batch(T0_US + h * HOUR_US + np.arange(20) * MINUTE_US, offset=str(h), seq_start=h * 100, keys=list(range(20)))
+        writer.write_checkpoint(ChangeBatch(batch.records, offset=str(h), rejected=bad if h == 0 else batch.rejected))
+    run_upsert(catalog, "orders")
+    spec = ORDERS
+    privacy_delete(catalog, "orders", [{"id": 7}], request_id="gdpr-hard")
+    held = files_holding(catalog, spec, 7)
+    print("\nfiles still holding the key after the delete:", len(held))
+    assert held  # older snapshots still reference them
+    # the rejected tables keep no column bounds: the first bytes of a raw line never reach a manifest
+    assert manifest_bounds_naming(catalog, spec, b'"id":7') == []
+    for i in range(11):  # the table goes on: more than keep_last (10) and the policy window (3) of newer commits
+        writer.write_checkpoint(change_batch(T0_US + 4 * HOUR_US + np.arange(2) * MINUTE_US + i, offset=f"n{i}", seq_start=1000 + i * 10, keys=[30, 31]))
+    run_upsert(catalog, "orders")  # moves cdc's partfin-base-merged tag past the delete
+    for _ in range(10):  # base's newer snapshots (upserts)
+        writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(1) * MINUTE_US + _, offset=f"b{_}", seq_start=2000 + _ * 10, keys=[32]))
+        run_upsert(catalog, "orders")
+    for identifier in spec.row_identifiers:  # maintain_<table>
+        expire_table_snapshots(catalog, identifier, table_retention(spec, identifier, KeepAll()))
+        remove_orphan_files(catalog, identifier, older_than_s=0)
+    assert files_holding(catalog, spec, 7) == []
+    assert manifest_bounds_naming(catalog, spec, b'"id":7') == []  # column bounds of the removed files went too
+    assert 7 not in base_ids(catalog) and sorted(base_ids(catalog)) == sorted(set(range(20)) - {7} | {30, 31, 32})

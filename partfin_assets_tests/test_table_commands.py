@@ -82,15 +82,17 @@ def test_table_commands_race_a_running_writer_and_lose_nothing(tmp_path):
 
     def raced(*args: str, meanwhile) -> subprocess.CompletedProcess:
         """Run a command, parked before its (first) commit while `meanwhile()` runs."""
-        release = tmp_path / f"release-{args[0]}"
-        command = subprocess.Popen(partfin_command(*args), env=partfin_env(home, PARTFIN_PAUSE_AT=f"job-commit:{release}"),
+        pauses = tmp_path / f"pauses-{args[0]}"
+        pauses.mkdir()
+        command = subprocess.Popen(partfin_command(*args),
+                                   env=partfin_env(home, PARTFIN_PAUSE_AT="job-commit", PARTFIN_PAUSE_DIR=str(pauses)),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
-        while not Path(f"{release}.reached").exists():
+        while not (pauses / "job-commit.reached").exists():
             assert command.poll() is None and time.monotonic() < deadline, command.communicate()
             time.sleep(0.1)
         meanwhile()
-        release.touch()
+        (pauses / "job-commit.go").touch()
         out, err = command.communicate(timeout=600)
         return subprocess.CompletedProcess(args, command.returncode, out, err)
 

@@ -12,6 +12,7 @@ from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
+from partfin_assets.iceberg.erasures import ERASURES_SUFFIX
 from partfin_assets.iceberg.tables import LEDGER_SUFFIX, bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
 from partfin_assets.model import summary_keys as K
@@ -120,7 +121,7 @@ def all_table_status(catalog: Catalog) -> list[TableStatus]:
             continue
         names = {".".join(ident) for ident in identifiers}
         for name in sorted(names):
-            if name.endswith(("__rejected", LEDGER_SUFFIX)):
+            if name.endswith(("__rejected", LEDGER_SUFFIX, ERASURES_SUFFIX)):
                 continue
             rejected = catalog.load_table(f"{name}__rejected") if f"{name}__rejected" in names else None
             out.append(table_status(name, catalog.load_table(name), rejected))

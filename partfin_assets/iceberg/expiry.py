@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 class Retention:
     keep_last: int = 10  # newest snapshots of main always kept
     slack: int = 10  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
+    # False: a table whose snapshot summaries nothing reads back (the rejected tables): keep only the newest
+    # `keep_last` and what refs point at, not the policy windows and writers' checkpoints a cdc table keeps
+    summaries: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last < 1 or self.slack < 0:
@@ -63,21 +66,24 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
     return keep
 
 
-def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int, *, has_ledger: bool = True) -> int:
+def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int) -> int:
     """Expire what retention allows once enough piled up; returns how many snapshots were expired.
 
     `table` is the caller's freshly committed view of the table; `window`: the watermark policy's
-    window per progress stream (kept). `has_ledger=False`: a table partfin keeps beside cdc/base
-    (the ledger, a rejected table), whose snapshots record no checkpoints of their own.
+    window per progress stream (kept).
     """
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
         return 0
-    keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
+    if retention.summaries:
+        keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
+    else:
+        keep = {ref.snapshot_id for ref in table.metadata.refs.values()}
+        keep |= {s.snapshot_id for s in list(lineage(table.metadata))[: retention.keep_last]}
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if not expired:
         return 0
-    if has_ledger and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
+    if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired)
 

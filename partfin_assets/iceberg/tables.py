@@ -42,7 +42,7 @@ from pyiceberg.types import (
 )
 
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
-from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction
+from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction, set_table_properties
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
@@ -103,25 +103,38 @@ def ledger_identifier(cdc_identifier: str) -> str:
 
 def ensure_ledger_table(catalog: Catalog, cdc_identifier: str) -> Table:
     identifier = ledger_identifier(cdc_identifier)
-    _create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, identifier, LEDGER_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
     _add_missing_columns(catalog, identifier, LEDGER_SCHEMA)
     return catalog.load_table(identifier)
 
 
 def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "cdc")
-    _create_if_absent(
+    create_if_absent(
         catalog,
         spec.cdc_identifier,
         CDC_SCHEMA,
         CDC_PARTITION_SPEC,
         {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
     )
-    _create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), {**MANAGED_TABLE_PROPERTIES, **NO_COLUMN_BOUNDS})
     ensure_ledger_table(catalog, spec.cdc_identifier)
     _add_missing_columns(catalog, spec.cdc_identifier, CDC_SCHEMA)
     _add_missing_columns(catalog, spec.rejected_identifier, REJECTED_SCHEMA)
+    _ensure_properties(catalog, spec.rejected_identifier, NO_COLUMN_BOUNDS)
     return ensure_managed_properties(catalog, spec.cdc_identifier)
+
+
+# The rejected tables hold raw lines and payloads a privacy request may have to erase: their manifests keep no
+# column bounds (which would copy the first bytes of a line), and nothing prunes on them (they are read whole).
+NO_COLUMN_BOUNDS = {"write.metadata.metrics.default": "none"}
+
+
+def _ensure_properties(catalog: Catalog, identifier: str, properties: dict[str, str]) -> None:
+    """A table created before these properties existed gets them (its files written from now on follow them)."""
+    table = catalog.load_table(identifier)
+    if any(table.properties.get(k) != v for k, v in properties.items()):
+        set_table_properties(catalog, identifier, properties)
 
 
 def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> None:
@@ -143,7 +156,7 @@ def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> N
             raise
 
 
-def _create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
+def create_if_absent(catalog: Catalog, identifier: str, schema: Schema, partition_spec: PartitionSpec, properties: dict) -> None:
     if catalog.table_exists(identifier):
         return
     try:
@@ -169,8 +182,9 @@ QUARANTINE_SCHEMA = Schema(
 
 def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_namespaces(catalog, "base")
-    _create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), dict(MANAGED_TABLE_PROPERTIES))
+    create_if_absent(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA, PartitionSpec(), {**MANAGED_TABLE_PROPERTIES, **NO_COLUMN_BOUNDS})
     _add_missing_columns(catalog, spec.quarantine_identifier, QUARANTINE_SCHEMA)
+    _ensure_properties(catalog, spec.quarantine_identifier, NO_COLUMN_BOUNDS)
     return catalog.load_table(spec.quarantine_identifier)
 
 

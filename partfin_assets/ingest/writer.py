@@ -35,6 +35,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.erasures import current_erasures, fence_of, load_erasures
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_due
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
@@ -49,6 +50,7 @@ from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitP
 from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.erasure import Erasures, redact_raw_lines, without_erased
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records, with_source_log
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
@@ -87,6 +89,8 @@ class PreparedCheckpoint:
     stream_id: str  # its progress stream
     source_identity: SourceIdentity | None
     source_streams: tuple[str, ...]  # the partitions the source read then, as stream ids
+    erasures_version: int = 0  # the erasure registry version records and rejects were filtered with
+    erased: int = 0  # records left out: changes of keys a privacy request erased
 
     def shares(self, count: int) -> list[pa.Table]:
         """The records split by key into `count` shares (one key always in one share)."""
@@ -120,6 +124,16 @@ class WriterFenced(PartfinError):
             f"{table}: another process committed checkpoint {position.checkpoint_id} as writer {writer_id!r} "
             f"(this one expected {expected.checkpoint_id}); its batch is void, going on from offset {position.source_offset}"
         )
+
+
+class ErasedMeanwhile(WriterFenced):
+    """A privacy request was registered after this batch was filtered: the batch is void (nothing committed, its files
+    deleted) and is read again from the same position, filtered with the request."""
+
+    def __init__(self, table: str, position: CommittedPosition) -> None:
+        self.position = position
+        PartfinError.__init__(self, f"{table}: a privacy request was registered while this batch was written; "
+                                     f"reading it again from offset {position.source_offset}, without the erased keys")
 
 
 class CdcWriter:
@@ -164,6 +178,7 @@ class CdcWriter:
         self.source_identity: SourceIdentity | None = None  # the history run() reads, recorded with every offset
         self._source_clocks: dict[str, int | None] = {}  # per progress stream, read from the history when first needed
         self._source_streams: tuple[str, ...] = ()  # the partitions the source reads now (Kafka), as stream ids
+        self._erasures: Erasures | None = None  # loaded when first needed, again once the table is fenced past them
         self._pool = ThreadPoolExecutor(max_workers=subtasks) if subtasks > 1 else None
         # with accumulators registered, each subtask's files are written on a thread of their own
         self._file_pool = ThreadPoolExecutor(max_workers=subtasks) if self.accumulators else None
@@ -200,8 +215,23 @@ class CdcWriter:
         except ValueError as exc:
             raise ValueError(f"{self.spec.name}: {exc}") from None
         heartbeat_us = to_us(batch.heartbeat) if batch.heartbeat is not None else None
+        erasures = self.erasures()
+        records, erased = without_erased(records, erasures)  # a change a privacy request erased never lands again
         return PreparedCheckpoint(records, batch.offset, batch.rejected, heartbeat_us, batch.stream, stream_id,
-                                  self.source_identity, self._source_streams)
+                                  self.source_identity, self._source_streams, erasures.version, erased)
+
+    def _erases_some(self, prepared: PreparedCheckpoint, table: Table) -> bool:
+        """Whether the erasures `table` (a commit attempt's fresh metadata) is fenced at cover a record of `prepared`
+        (True when its records no longer carry their keys: a fanned-out commit step)."""
+        self._erasures = current_erasures(self.catalog, self.spec, table, self.erasures())
+        records = prepared.records
+        return "key" not in records.column_names or bool(self._erasures.erased(records.column("key"), records.column("event_time")).any())
+
+    def erasures(self) -> Erasures:
+        """The erasures in force, as of this writer's view of the table (every commit attempt checks the fresh one)."""
+        if self._erasures is None or fence_of(self.table.properties) > self._erasures.version:
+            self._erasures = load_erasures(self.catalog, self.spec)
+        return self._erasures
 
     def expect_position(self, start: CommittedPosition) -> None:
         """The next checkpoint goes on from `start` (where its batch was read, maybe by another process): if anyone
@@ -237,7 +267,7 @@ class CdcWriter:
     def _commit_checkpoint(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> CheckpointResult:
         checkpoint_id = self.last_checkpoint_id + 1
         records, stream_id, heartbeat_us = prepared.records, prepared.stream_id, prepared.heartbeat_us
-        if records.num_rows == 0 and prepared.rejected.num_rows == 0 and not self._heartbeat_due(stream_id, heartbeat_us):
+        if records.num_rows == 0 and prepared.rejected.num_rows == 0 and not prepared.erased and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
@@ -260,6 +290,8 @@ class CdcWriter:
             base_summary[K.EVENT_TIME_HEARTBEAT] = iso_z(heartbeat_us)
         if rejected:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
+        if prepared.erased:
+            base_summary[K.PRIVACY_ERASED_RECORDS] = str(prepared.erased)
 
         arrival_max = None
         if records.num_rows and ARRIVAL_TIME in records.schema.names:
@@ -268,12 +300,16 @@ class CdcWriter:
         source_clocks: list[int | None] = []
         start = self.position
         fenced: list[CommittedPosition] = []
+        erased_meanwhile: list[int] = []
         position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, prepared.offset).encode()}
 
         def build(table: Table, commit_id: str):
             committed = writer_position(table.metadata, self.writer_id)
             if committed != start:  # compare-and-set on the committed source position
                 fenced.append(committed)
+                return None
+            if fence_of(table.properties) > prepared.erasures_version and self._erases_some(prepared, table):
+                erased_meanwhile.append(fence_of(table.properties))  # a privacy request came after the filter
                 return None
             clock_us = to_us(self.clock())
             properties = table.properties
@@ -316,6 +352,9 @@ class CdcWriter:
             self.table = result.table
             self._take_position(fenced[-1])
             raise WriterFenced(self.spec.cdc_identifier, self.writer_id, start, fenced[-1])
+        if erased_meanwhile:
+            self.table = result.table
+            raise ErasedMeanwhile(self.spec.cdc_identifier, start)
         crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
@@ -357,6 +396,7 @@ class CdcWriter:
         rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason", *_KAFKA_POSITION])
         first, last = pc.min_max(rows.column("source_seq")).values()
         files = AttemptFiles()
+        erasures = self.erasures()
 
         def build(table: Table, commit_id: str):
             in_range = And(GreaterThanOrEqual("source_seq", first.as_py()), LessThanOrEqual("source_seq", last.as_py()))
@@ -366,8 +406,11 @@ class CdcWriter:
             new = rows.filter(pa.array([p not in seen for p in zip(*(rows.column(c).to_pylist() for c in position))], pa.bool_()))
             if new.num_rows == 0:
                 return None
+            # a line naming an erased key keeps its position, never its text (its event time is unknown)
+            new, redacted = redact_raw_lines(new, current_erasures(self.catalog, self.spec, table, erasures))
+            summary = {**marker, K.PRIVACY_REDACTED_LINES: str(redacted)} if redacted else marker
             tx = new_transaction(table)
-            files.append(tx, table, new, snapshot_summary_with_commit_id(marker, commit_id, JobKind.INTO))
+            files.append(tx, table, new, snapshot_summary_with_commit_id(summary, commit_id, JobKind.INTO))
             return tx
 
         commit_with_retry(self.catalog, self.spec.rejected_identifier, build, files=files)

@@ -25,6 +25,7 @@ from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import CommitResult, commit_with_retry, new_transaction
+from partfin_assets.iceberg.erasures import fence_of
 from partfin_assets.iceberg.files import (
     WHOLE_TABLE,
     conform_rows,
@@ -133,6 +134,7 @@ class Job:
     start_sequence_number: int | None = None  # decides what came after the start should expiry cut the chain
     partitions: set[str] = field(default_factory=set)
     expected_properties: dict[str, str | None] = field(default_factory=dict)  # compare-and-set on commit
+    erasures_version: int | None = None  # the erasure registry version its input was filtered with (expect_erasures)
     written: list[str] = field(default_factory=list)
     before_commit: list[Hook] = field(default_factory=list)
     committed: JobResult | None = None
@@ -210,6 +212,11 @@ class Job:
         """
         self.expected_properties.update(expected)
 
+    def expect_erasures(self, version: int) -> None:
+        """Commit only while the table is fenced at no later erasure registry version than `version`, the one the job
+        filtered its input with (iceberg/erasures.py): a privacy request registered since is a CommitConflictError."""
+        self.erasures_version = version
+
     # ---- write side
 
     @property
@@ -262,6 +269,15 @@ class Job:
                     table.metadata.current_snapshot_id, summary.get(K.JOB_ID) or summary.get(K.COMMIT_ID),
                     summary.get(K.JOB_KIND), f"table property {key} is now {found!r}; the job read {expected!r}",
                 )
+        if self.erasures_version is not None and fence_of(table.properties) > self.erasures_version:
+            head = table.metadata.current_snapshot()
+            summary = summary_of(head) if head is not None else {}
+            raise CommitConflictError(
+                self.identifier, self.kind, self.job_id, sorted(self.partitions) or [WHOLE_TABLE],
+                table.metadata.current_snapshot_id, summary.get(K.JOB_ID) or summary.get(K.COMMIT_ID), summary.get(K.JOB_KIND),
+                f"a privacy request ({summary.get(K.PRIVACY_REQUEST_ID, 'unknown')}) was registered after the job read its "
+                "input; run it again to leave the erased keys out",
+            )
         if self.kind not in FAILING_KINDS:
             return
         conflict = find_conflict(

@@ -8,6 +8,7 @@ follows a link (to a folder or a file) out of the table's folder.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -37,21 +38,28 @@ def policy_window(table: Table) -> CommitWindow:
     return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).window
 
 
-def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None, *, companion: bool = False) -> int:
-    """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need.
-
-    `companion`: a table partfin keeps beside cdc/base (MaintainedTable.companion).
-    """
+def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None) -> int:
+    """Expire snapshots of one table now (no slack), keeping what the watermark policy and writers need."""
     table = catalog.load_table(identifier)
     retention = retention or Retention()
-    return expire_snapshots(table, Retention(keep_last=retention.keep_last, slack=0), policy_window(table), has_ledger=not companion)
+    return expire_snapshots(table, dataclasses.replace(retention, slack=0), policy_window(table))
 
 
 @dataclass(frozen=True)
 class MaintainedTable:
     identifier: str
     layer: str  # "cdc" | "base": the layer (and Dagster asset) it belongs to
-    companion: bool  # the ledger or a rejected table: written beside cdc/base, no checkpoints of its own
+    kind: str  # "rows" (cdc, base) | "ledger" | "rejected" (raw lines, quarantined changes)
+
+    def retention(self, retention: Retention) -> Retention:
+        """What expiry keeps of this table. Only cdc and base snapshots carry summaries read back later (checkpoints,
+        policy windows); the rejected tables keep only their current snapshot (bad input nobody reads back in time), so
+        the files a privacy request rewrote there go at the next maintenance."""
+        if self.kind == "rejected":
+            return Retention(keep_last=1, summaries=False)
+        if self.kind == "ledger":
+            return dataclasses.replace(retention, summaries=False)
+        return retention
 
 
 def maintained_tables(catalog, name: str) -> list[MaintainedTable]:
@@ -62,11 +70,11 @@ def maintained_tables(catalog, name: str) -> list[MaintainedTable]:
         return []
     spec = TableSpec.from_properties(name, cdc.properties)
     candidates = [
-        MaintainedTable(spec.cdc_identifier, "cdc", False),
-        MaintainedTable(ledger_identifier(spec.cdc_identifier), "cdc", True),
-        MaintainedTable(spec.rejected_identifier, "cdc", True),
-        MaintainedTable(spec.base_identifier, "base", False),
-        MaintainedTable(spec.quarantine_identifier, "base", True),
+        MaintainedTable(spec.cdc_identifier, "cdc", "rows"),
+        MaintainedTable(ledger_identifier(spec.cdc_identifier), "cdc", "ledger"),
+        MaintainedTable(spec.rejected_identifier, "cdc", "rejected"),
+        MaintainedTable(spec.base_identifier, "base", "rows"),
+        MaintainedTable(spec.quarantine_identifier, "base", "rejected"),
     ]
     return [t for t in candidates if catalog.table_exists(t.identifier)]
 

@@ -1,26 +1,27 @@
-"""Privacy delete by primary key across cdc.<table> and base.<table>: UPDATE/DELETE jobs (docs/concurrency.md).
+"""Privacy delete by primary key: one request erases the key from every table partfin writes for a table, for good.
 
-Iceberg commits one table at a time, so the two tables cannot change atomically
-together. The delete is made **idempotent and resumable** instead:
+The flow of one request (`privacy_delete`), each step idempotent, so re-running the same request
+after a crash finishes it:
 
-1. cdc.<table> first: every data file that holds a row of the keys (found by
-   pruning on partition and column statistics, then reading only those files)
-   is rewritten without those rows, in one UPDATE/DELETE commit.
-2. then base.<table>: the same for the rows of those primary keys (tombstones
-   included) in the buckets that hold them.
+1. **register**: the keys (salted hashes) and the request's cutoff `erased_before` go into the
+   erasure registry cdc.<table>__erasures (iceberg/erasures.py). From then on every writer leaves
+   the key's changes up to the cutoff out (model/erasure.py `without_erased`): ingest, replay,
+   upsert, quarantine. A change made at the source after the cutoff is new data and lands.
+2. then, table by table -- cdc.<table>, cdc.<table>__rejected, base.<table>, base.<table>__rejected --
+   **fence** the table at the registry's version (an empty commit: a writer that read before the
+   request fails its compare-and-set and filters again, or commits before the fence and its rows
+   are found by the next step) and **delete**: every data file holding a covered row (found by
+   pruning on partition and column statistics, then reading only those files) is rewritten
+   without it, in one UPDATE/DELETE commit, looping until a scan at the head finds none. Raw lines
+   of cdc.<table>__rejected cannot be attributed to a key by parsing; those naming an erased key in
+   JSON form keep their source position and lose their text.
+3. **references**: `release_old_references`, the one place where refs that still point at
+   snapshots from before the delete (and so keep the erased rows' files alive) are re-pointed or
+   dropped.
 
-cdc first, because the upsert feeds base from cdc: once the keys are gone from
-cdc no later upsert can bring them back into base (an upsert planned before
-step 1 that commits after step 2 conflicts on the key's bucket and recomputes).
-A crash between the steps leaves the keys in base only; re-running the same
-request skips cdc (nothing left to delete, no commit) and finishes base. Each
-step loops until a scan at the head finds none of the keys (a concurrent append
-into another partition may bring the key back after the step's start; a
-conflict in a partition re-runs the step from a fresh snapshot, bounded).
-
-Summaries record the request id and counts, never the keys. Older snapshots
-still reference the old files until snapshot expiry and orphan-file removal
-(jobs/maintenance.py) delete them; a hard erase runs those after the delete.
+Summaries record the request id and counts, never the keys. Older snapshots still reference the
+old files until snapshot expiry and orphan-file removal (jobs/maintenance.py, `maintain_<table>`)
+delete them: docs/privacy.md states when.
 """
 
 from __future__ import annotations
@@ -36,23 +37,28 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.expressions import And, BooleanExpression, In
+from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, In
 
 from partfin_assets.iceberg.catalog import load_existing_table
+from partfin_assets.iceberg.erasures import raise_fence, register_erasure
 from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
+from partfin_assets.iceberg.tables import EVENT_TIME, ensure_quarantine_table
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.erasure import Erasures, redact_raw_lines
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.record_keys import canonical_key
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.timeutil import now_utc, to_us
 
 log = logging.getLogger(__name__)
 
 
 MaskFn = Callable[[pa.Table], pa.Array]  # True for rows to delete
+RedactFn = Callable[[pa.Table], pa.Table]  # the rows to delete as they are kept instead (their erased text removed)
 
 
 @dataclass
@@ -74,12 +80,14 @@ def delete_where(
     request_id: str | None = None,
     job_id: str | None = None,
     before_commit: Hook | None = None,
+    redact: RedactFn | None = None,
 ) -> DeleteResult:
     """One UPDATE/DELETE job: rewrite the files holding rows where `mask` is true (files found via `prune`).
 
     `prune` is an Iceberg expression true for (a superset of) the rows to delete: it only selects
-    candidate files by partition and column statistics. Raises CommitConflictError when a commit
-    after the job's start touched one of the rewritten partitions.
+    candidate files by partition and column statistics. With `redact`, those rows are rewritten as
+    `redact` returns them instead of deleted. Raises CommitConflictError when a commit after the
+    job's start touched one of the rewritten partitions.
     """
     with Job.start(catalog, identifier, JobKind.UPDATE_DELETE, job_id=job_id, before_commit=before_commit) as job:
         table = job.table
@@ -99,7 +107,10 @@ def delete_where(
             hidden = np.zeros(rows.num_rows, dtype=bool)
             hidden[positions_by_file(read_positions(table.io, task.delete_files)).get(task.file.file_path, np.array([], np.int64))] = True
             remove.append(task.file)
-            add += job.write(rows.filter(pa.array(~hit & ~hidden)))
+            kept = rows.filter(pa.array(~hit & ~hidden))
+            if redact is not None:
+                kept = pa.concat_tables([kept, redact(rows.filter(pa.array(hit & ~hidden)))])
+            add += job.write(kept)
             result.deleted_records += int((hit & ~hidden).sum())
         if not remove:
             job.abort()
@@ -117,13 +128,22 @@ def delete_where(
 # --------------------------------------------------------------------------- by primary key
 
 
-def cdc_key_filter(keys: Iterable[Mapping[str, Any]]) -> tuple[BooleanExpression, MaskFn]:
+def _up_to(mask: MaskFn, column: str, erased_before_us: int | None) -> MaskFn:
+    """`mask`, and only rows whose `column` (an event time) is at or before the cutoff (None: any time)."""
+    if erased_before_us is None:
+        return mask
+    cutoff = pa.scalar(erased_before_us, pa.int64())
+    return lambda rows: pc.and_(mask(rows), pc.less_equal(pc.cast(rows.column(column), pa.int64()), cutoff))
+
+
+def cdc_key_filter(keys: Iterable[Mapping[str, Any]], erased_before_us: int | None = None) -> tuple[BooleanExpression, MaskFn]:
+    """Rows of cdc.<table> (or its quarantine, same columns) of these keys, with an event time up to the cutoff."""
     texts = sorted({canonical_key(k) for k in keys})
     values = pa.array(texts, pa.string())
-    return In("key", texts), lambda rows: pc.is_in(rows.column("key"), value_set=values)
+    return In("key", texts), _up_to(lambda rows: pc.is_in(rows.column("key"), value_set=values), "event_time", erased_before_us)
 
 
-def base_key_filter(spec: TableSpec, keys: Iterable[Mapping[str, Any]]) -> tuple[BooleanExpression, MaskFn]:
+def base_key_filter(spec: TableSpec, keys: Iterable[Mapping[str, Any]], erased_before_us: int | None = None) -> tuple[BooleanExpression, MaskFn]:
     pk = list(spec.primary_key)
     keys = list(keys)
     for key in keys:
@@ -147,19 +167,28 @@ def base_key_filter(spec: TableSpec, keys: Iterable[Mapping[str, Any]]) -> tuple
         return out.to_arrow()
 
     assert prune is not None
-    return prune, mask
+    return prune, _up_to(mask, EVENT_TIME, erased_before_us)
+
+
+def rejected_lines_filter(erasures: Erasures) -> tuple[BooleanExpression, MaskFn, RedactFn]:
+    """Raw lines of cdc.<table>__rejected naming an erased key (the whole table is read: it holds only bad lines)."""
+
+    def mask(rows: pa.Table) -> pa.Array:
+        return pa.array([r is not None for r in erasures.naming_erased(rows.column("raw").to_pylist())], pa.bool_())
+
+    return AlwaysTrue(), mask, lambda rows: redact_raw_lines(rows, erasures)[0]
 
 
 def _until_gone(
     catalog: Catalog, identifier: str, prune: BooleanExpression, mask: MaskFn, request_id: str,
-    max_rounds: int, before_commit: Hook | None,
+    max_rounds: int, before_commit: Hook | None, redact: RedactFn | None = None,
 ) -> list[DeleteResult]:
     """Delete until a pass finds nothing; conflicts re-run from a fresh snapshot (bounded by max_rounds)."""
     results: list[DeleteResult] = []
     conflicts = 0
     for _ in range(max_rounds):
         try:
-            result = delete_where(catalog, identifier, prune, mask, request_id=request_id, before_commit=before_commit)
+            result = delete_where(catalog, identifier, prune, mask, request_id=request_id, before_commit=before_commit, redact=redact)
         except CommitConflictError as exc:
             conflicts += 1
             log.info("privacy delete %s: %s; re-running", request_id, exc)
@@ -173,12 +202,20 @@ def _until_gone(
     )
 
 
+# the steps of one request, in order; `after_step` is called with each name once it is done
+STEP_REGISTERED = "registered"
+STEP_REFERENCES = "references"
+
+
 @dataclass
 class PrivacyDeleteResult:
     table: str
     request_id: str
     cdc: list[DeleteResult]
     base: list[DeleteResult]
+    rejected: list[DeleteResult] = field(default_factory=list)  # cdc.<table>__rejected: raw lines whose text was removed
+    quarantine: list[DeleteResult] = field(default_factory=list)  # base.<table>__rejected
+    erased_before_us: int | None = None
 
     @property
     def cdc_deleted(self) -> int:
@@ -188,6 +225,14 @@ class PrivacyDeleteResult:
     def base_deleted(self) -> int:
         return sum(r.deleted_records for r in self.base)
 
+    def by_table(self) -> dict[str, list[DeleteResult]]:
+        return {f"cdc.{self.table}": self.cdc, f"cdc.{self.table}__rejected": self.rejected,
+                f"base.{self.table}": self.base, f"base.{self.table}__rejected": self.quarantine}
+
+    def deleted_by_table(self) -> dict[str, int]:
+        """Records removed per table (raw lines whose text was removed, for the rejected lines)."""
+        return {identifier: sum(r.deleted_records for r in results) for identifier, results in self.by_table().items()}
+
 
 def privacy_delete(
     catalog: Catalog,
@@ -195,29 +240,58 @@ def privacy_delete(
     keys: Iterable[Mapping[str, Any]],
     *,
     request_id: str | None = None,
+    erased_before_us: int | None = None,
     max_rounds: int = 10,
     before_commit: Hook | None = None,
-    between_tables: Callable[[], None] | None = None,
+    after_step: Callable[[str], None] | None = None,
 ) -> PrivacyDeleteResult:
-    """Delete every row of the primary keys `keys` (e.g. [{"id": 42}]) from cdc.<name>, then base.<name>.
+    """Erase the primary keys `keys` (e.g. [{"id": 42}]) from every table partfin writes for table `name` (see the module
+    docstring): their changes with an event time up to `erased_before_us` (default: now, when the request is first
+    registered; a re-run keeps the first cutoff).
 
-    Idempotent and resumable: re-running the same request after a crash finishes it.
+    Idempotent and resumable: re-running the same request after a crash finishes it. `after_step` (tests) is called
+    with the name of each step once done: "registered", then each table's identifier, then "references".
     """
     keys = [dict(k) for k in keys]
     request_id = request_id or uuid.uuid4().hex
     cdc = load_existing_table(catalog, f"cdc.{name}")
     spec = TableSpec.from_properties(name, cdc.properties)
-    for key in keys:  # a key naming other columns would match nothing, or too much: refused before anything is read
-        if set(key) != set(spec.primary_key):
-            raise InvalidInput(f"key {key} does not name exactly the primary key {sorted(spec.primary_key)} of {name}")
     if not keys:
         return PrivacyDeleteResult(name, request_id, [], [])
-    prune, mask = cdc_key_filter(keys)
-    cdc_results = _until_gone(catalog, spec.cdc_identifier, prune, mask, request_id, max_rounds, before_commit)
-    if between_tables is not None:
-        between_tables()
-    base_results: list[DeleteResult] = []
-    if catalog.table_exists(spec.base_identifier):
-        prune, mask = base_key_filter(spec, keys)
-        base_results = _until_gone(catalog, spec.base_identifier, prune, mask, request_id, max_rounds, before_commit)
-    return PrivacyDeleteResult(name, request_id, cdc_results, base_results)
+    # a key naming other columns would match nothing, or too much: refused before anything is read or recorded
+    base_key_filter(spec, keys)
+    step = after_step or (lambda _: None)
+    now_us = to_us(now_utc())
+    erasures = register_erasure(catalog, spec, request_id, [canonical_key(k) for k in keys],
+                                erased_before_us if erased_before_us is not None else now_us, now_us)
+    cutoff = max(e.erased_before_us for e in erasures.entries if e.request_id == request_id)
+    # an upsert that read before the request may create the quarantine only now: it must exist to be fenced
+    ensure_quarantine_table(catalog, spec)
+    step(STEP_REGISTERED)
+
+    cdc_prune, cdc_mask = cdc_key_filter(keys, cutoff)
+    base_prune, base_mask = base_key_filter(spec, keys, cutoff)
+    rejected_prune, rejected_mask, redact = rejected_lines_filter(erasures)
+    result = PrivacyDeleteResult(name, request_id, [], [], erased_before_us=cutoff)
+    for identifier, prune, mask, into, rewrite in (
+        (spec.cdc_identifier, cdc_prune, cdc_mask, result.cdc, None),
+        (spec.rejected_identifier, rejected_prune, rejected_mask, result.rejected, redact),
+        (spec.base_identifier, base_prune, base_mask, result.base, None),
+        (spec.quarantine_identifier, cdc_prune, cdc_mask, result.quarantine, None),
+    ):
+        if catalog.table_exists(identifier):
+            raise_fence(catalog, identifier, erasures, request_id)  # from here on its writers filter the request
+            into += _until_gone(catalog, identifier, prune, mask, request_id, max_rounds, before_commit, rewrite)
+        step(identifier)
+    release_old_references(catalog, spec, result)
+    step(STEP_REFERENCES)
+    return result
+
+
+def release_old_references(catalog: Catalog, spec: TableSpec, result: PrivacyDeleteResult) -> None:
+    """The one place a privacy delete re-points or drops refs (tags, branches) of the tables it rewrote that still
+    point at a snapshot from before it: such a snapshot keeps the erased rows' files alive, past expiry.
+
+    Today partfin's only ref is cdc.<table>'s `partfin-base-merged` tag, which the next upsert moves past the delete
+    (every sync run upserts); refs added later (e.g. a tag per finalized hour) are handled here.
+    """

@@ -52,11 +52,13 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
+from partfin_assets.iceberg.erasures import load_erasures
 from partfin_assets.iceberg.files import hour_partition, read_files
 from partfin_assets.iceberg.history import late_records_total, watermark_of, writer_positions
 from partfin_assets.iceberg.ledger import reconcile
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.erasure import without_erased
 from partfin_assets.model.errors import PartfinError
 from partfin_assets.model.records import (
     CDC_RECORD_SCHEMA, RECORD_IDENTITY, SOURCE_LOG, cdc_records, records_by_log, records_not_in, with_source_log,
@@ -217,6 +219,10 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
     records = _cdc_rows(records)
     rows = _in_hour(records, hour_us)
     ignored = records.num_rows - rows.num_rows
+    # what a privacy request erased stays erased, however often the history is read again
+    erasures = load_erasures(job.catalog, TableSpec.from_properties(identifier.split(".", 1)[1], job.table.properties))
+    rows, erased = without_erased(rows, erasures)
+    job.expect_erasures(erasures.version)
     partition = hour_partition(job.table.metadata, hour_us)
     job.target([partition])
     new_files = job.write(rows)
@@ -257,6 +263,8 @@ def _replay(job: Job, hour_us: int, read: Callable[[], tuple[pa.Table, str | Non
         }
         if history is not None:
             out[K.REPLAY_SOURCE] = history
+        if erased:
+            out[K.PRIVACY_ERASED_RECORDS] = str(erased)
         if late:
             out[K.LATE_RECORDS_BY_HOUR] = compact_json({iso_z(hour_us): late})
         if watermark is not None:

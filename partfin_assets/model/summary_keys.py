@@ -70,6 +70,13 @@ QUARANTINED_RECORDS = "partfin.quarantined-records"  # on base.<table>__rejected
 # privacy delete (jobs/privacy.py): never the keys themselves, only the request
 PRIVACY_REQUEST_ID = "partfin.privacy.request-id"
 PRIVACY_DELETED_RECORDS = "partfin.privacy.deleted-records"
+# a write that left out changes of erased keys (ingest, replay, upsert, quarantine) / removed the text of raw lines naming one
+PRIVACY_ERASED_RECORDS = "partfin.privacy.erased-records"
+PRIVACY_REDACTED_LINES = "partfin.privacy.redacted-lines"
+# on every table partfin writes for a table: the erasure registry version its writers must have filtered with
+# (iceberg/erasures.py); on cdc.<table>__erasures: the random salt of its key hashes
+PROP_ERASURES_FENCE = "partfin.privacy.erasures"
+PROP_ERASURES_SALT = "partfin.privacy.salt"
 
 # table properties
 # the table declaration (model/tablespec.py) travels with cdc.<name>, so `partfin upsert --table T`

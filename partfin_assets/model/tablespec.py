@@ -128,3 +128,8 @@ class TableSpec:
     def quarantine_identifier(self) -> str:
         """CDC changes the upsert could not decode (key, source position and why)."""
         return f"base.{self.name}__rejected"
+
+    @property
+    def row_identifiers(self) -> tuple[str, ...]:
+        """Every table holding the table's rows or raw lines: what a privacy request erases from and maintenance expires."""
+        return (self.cdc_identifier, self.rejected_identifier, self.base_identifier, self.quarantine_identifier)

@@ -13,7 +13,10 @@ from pathlib import Path
 
 
 def crash_point(name: str) -> None:
-    """Crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process (SIGKILL) at the n-th pass of point <name>."""
+    """Crash tests: PARTFIN_CRASH_AT=<name>:<n> kills the process (SIGKILL) at the n-th pass of point <name>.
+
+    Every crash point is also a pause point (`pause_point`)."""
+    pause_point(name)
     spec = os.environ.get("PARTFIN_CRASH_AT")
     if not spec or not spec.startswith(name + ":"):
         return
@@ -43,13 +46,17 @@ def fail_point(name: str) -> None:
 
 
 def pause_point(name: str) -> None:
-    """Race tests: PARTFIN_PAUSE_AT=<name>:<path> parks the process at the first pass of point <name>: it creates
-    `<path>.reached` and goes on once `<path>` exists (the test commits what it races with in between)."""
-    spec = os.environ.get("PARTFIN_PAUSE_AT")
-    if not spec or not spec.startswith(name + ":"):
+    """Race tests between real processes: with PARTFIN_PAUSE_AT=<name>[,<name>...] and PARTFIN_PAUSE_DIR=<dir>, the
+    first pass of point <name> creates <dir>/<name>.reached and waits until the test creates <dir>/<name>.go (at
+    most 10 minutes)."""
+    names = [n for n in os.environ.get("PARTFIN_PAUSE_AT", "").split(",") if n]
+    if name not in names or not os.environ.get("PARTFIN_PAUSE_DIR"):
         return
-    release = Path(spec.split(":", 1)[1])
-    del os.environ["PARTFIN_PAUSE_AT"]  # once per process: its retries run through
-    Path(f"{release}.reached").touch()
-    while not release.exists():
-        time.sleep(0.05)
+    os.environ["PARTFIN_PAUSE_AT"] = ",".join(n for n in names if n != name)  # the first pass only
+    folder = Path(os.environ["PARTFIN_PAUSE_DIR"])
+    (folder / f"{name}.reached").touch()
+    deadline = time.monotonic() + 600
+    while not (folder / f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pause point {name}: never released (PARTFIN_PAUSE_DIR={folder})")
+        time.sleep(0.02)

@@ -3,12 +3,15 @@
 - `compact_<table>` (MERGE; schedule hourly, on by default): small-file compaction of the
   finalized hours of cdc.<table>, then of base.<table>; files before/after are recorded as an
   AssetObservation of cdc/<table> and base/<table>.
-- `privacy_delete_<table>` (UPDATE/DELETE; launched by hand with run config `keys` and
-  `request_id`): deletes the rows of those primary keys from cdc.<table>, then base.<table>;
-  re-running the same request finishes a crashed one. Records deleted per table are recorded.
+- `privacy_delete_<table>` (UPDATE/DELETE; launched by hand with run config `keys`,
+  `request_id` and optionally `erase_before`): erases those primary keys from every table partfin
+  writes for the table and registers them, so nothing brings them back (jobs/privacy.py,
+  docs/privacy.md); re-running the same request finishes a crashed one. Records deleted per table
+  are recorded.
 - `maintain_<table>` (schedule daily, on by default): snapshot expiry, then orphan-file removal
-  of both tables and the tables kept beside them (ledger, rejected, quarantine: jobs/maintenance.py);
-  files younger than `orphan_min_age_seconds` are never deleted.
+  of cdc.<table>, base.<table> and the tables kept beside them (ledger, rejected lines, quarantine:
+  jobs/maintenance.py; the hard erase of a privacy request); files younger than `orphan_min_age_seconds`
+  are never deleted.
 
 `partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli.py) call the same job functions
 with the same conflict retry policy, in process.
@@ -19,7 +22,7 @@ maintenance of a table never overlap) or `partfin/privacy: <table>`, limited to 
 """
 
 
-from typing import Any
+from typing import Any, Optional
 
 from dagster import (
     AssetObservation,
@@ -43,6 +46,7 @@ from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
 
 
 # --------------------------------------------------------------------------- compaction
@@ -129,6 +133,9 @@ def _scheduled_two_step_job(table: PartfinTable, kind: str, first, then, cron: s
 class PrivacyDeleteConfig(Config):
     keys: list[dict[str, Any]]  # primary keys to erase, e.g. [{"id": 42}]
     request_id: str  # the same id resumes a crashed request; recorded in snapshot summaries (never the keys)
+    # changes of the keys with an event time up to this (ISO 8601, UTC) are erased; later ones are new data.
+    # Default: when the request is first registered
+    erase_before: Optional[str] = None
 
 
 def build_privacy_job(table: PartfinTable):
@@ -136,27 +143,27 @@ def build_privacy_job(table: PartfinTable):
 
     @op(name=f"privacy_delete_{name}_op", out=Out(Nothing), tags={"kind": "iceberg"})
     def privacy_op(context: OpExecutionContext, config: PrivacyDeleteConfig, catalog: IcebergCatalogResource) -> None:
+        erase_before = to_us(parse_iso(config.erase_before)) if config.erase_before else None
         iceberg = catalog.load()
         with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
-            result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id)
+            result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id, erased_before_us=erase_before)
+        counts = result.deleted_by_table()
         context.log.info(
-            f"privacy delete {config.request_id}: {result.cdc_deleted} record(s) deleted from cdc.{name}, "
-            f"{result.base_deleted} from base.{name} ({len(config.keys)} key(s))"
+            f"privacy delete {config.request_id} ({len(config.keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
+            + ", ".join(f"{n} record(s) in {identifier}" for identifier, n in counts.items())
         )
-        for asset_key, identifier, results, deleted in (
-            (table.cdc_key, f"cdc.{name}", result.cdc, result.cdc_deleted),
-            (table.base_key, f"base.{name}", result.base, result.base_deleted),
-        ):
+        for identifier, results in result.by_table().items():
             context.log_event(
                 AssetObservation(
-                    asset_key=asset_key,
+                    asset_key=table.base_key if identifier.startswith("base.") else table.cdc_key,
                     metadata={
                         "privacy_request_id": config.request_id,
                         "iceberg_table": identifier,
-                        "deleted_records": deleted,
+                        "deleted_records": counts[identifier],
                         "files_rewritten": sum(r.files_rewritten for r in results),
                         "snapshot_ids": [r.snapshot_id for r in results],
                         "keys": len(config.keys),
+                        "erased_before": iso_z(result.erased_before_us or 0),
                     },
                 )
             )
@@ -164,10 +171,11 @@ def build_privacy_job(table: PartfinTable):
     @job(
         name=f"privacy_delete_{name}",
         executor_def=in_process_executor,
-        description=f"Deletes every row of the given primary keys from cdc.{name}, then base.{name}. Run config: "
-        "keys (list of {column: value}), request_id (re-running the same request resumes it). Old files stay "
-        f"referenced by older snapshots until maintain_{name} expires them and removes the orphans. A later replay of "
-        f"a cdc/{name} hour reads the source again and brings back keys it still holds: re-run the request after it.",
+        description=f"Erases the given primary keys from cdc.{name}, base.{name} and their rejected tables, and "
+        "registers them so no replay, re-delivery or late record brings them back (changes made at the source after "
+        "erase_before, default now, are new data). Run config: keys (list of {column: value}), request_id (re-running "
+        f"the same request resumes it), erase_before (optional, ISO 8601). Old files stay referenced by older snapshots "
+        f"until maintain_{name} expires them and removes the orphans (docs/privacy.md).",
         tags={"partfin/table": name, "partfin/privacy": name},
     )
     def privacy_job():
@@ -198,8 +206,7 @@ def build_maintenance_job(table: PartfinTable):
         iceberg = catalog.load()
         for maintained in maintenance_core.maintained_tables(iceberg, name):
             identifier = maintained.identifier
-            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, Retention(keep_last=config.keep_last),
-                                                              companion=maintained.companion)
+            expired = maintenance_core.expire_table_snapshots(iceberg, identifier, maintained.retention(Retention(keep_last=config.keep_last)))
             left = len(iceberg.load_table(identifier).metadata.snapshots)
             context.log.info(f"{identifier}: {expired} snapshot(s) expired, {left} kept")
             context.log_event(AssetObservation(asset_key=_layer_key(table, maintained.layer), metadata=
@@ -223,6 +230,6 @@ def build_maintenance_job(table: PartfinTable):
         table, "maintain", expire_op, orphans_op, table.maintenance_cron,
         f"Snapshot expiry (keeps the watermark policy's window and writer positions), then orphan-file "
         f"removal, of cdc.{name}, base.{name} and the tables partfin keeps beside them (the late-data ledger, "
-        "rejected lines, quarantined changes). `partfin maintain` runs the same.",
+        "rejected lines, quarantined changes: the hard erase of a privacy request). `partfin maintain` runs the same.",
         f"Expires snapshots and removes orphan files of {name} daily.",
     )

@@ -26,7 +26,6 @@ from partfin_assets.defs.platform.fanout import DEFAULT_MAX_GROUPS, fanout_job
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_existing_table
-from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Job, JobStart, StagedFiles
 from partfin_assets.jobs.upsert import sync_merged_tag
@@ -84,7 +83,7 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
             context.log.info(f"base.{name} is up to date with cdc.{name}: nothing to merge")
             yield Output(None, "run")
             return
-        raw = read_files(upsert_plan.cdc, upsert_plan.cdc_files)
+        raw, _ = upsert_plan.read_changes()
         keyed, unfit_keys = decode_keys(spec, raw)
         by_group = split_by_group(upsert_plan, keyed)
         context.log.info(f"{raw.num_rows} change(s) of {len(upsert_plan.merged_ids)} CDC snapshot(s) in {len(by_group)} group(s) of {upsert_plan.groups}")
@@ -122,7 +121,7 @@ def build_upsert_job(table: PartfinTable, *, max_concurrent: int = 2):
         job_ = Job.resume(iceberg, run.plan.spec.base_identifier, JobKind.UPDATE_DELETE, run.start)
         with job_:
             job_.adopt(f for m in groups for f in m.add)
-            quarantine_changes(iceberg, run.plan.spec, unfit, run.plan.cdc_snapshot_id)  # before base moves past these changes
+            quarantine_changes(iceberg, run.plan.spec, unfit, run.plan.cdc_snapshot_id, run.plan.erasures)  # before base moves past these changes
             committed = commit_merge(job_, run.plan, groups, quarantined=unfit.num_rows)
         sync_merged_tag(iceberg, name)
         result = result_of(

@@ -55,6 +55,7 @@ def commit_merge(
         properties[K.PROP_WATERMARK] = plan.watermark
     previous = plan.previous_source_id
     job.expect_properties({K.PROP_SOURCE_SNAPSHOT_ID: str(previous) if previous is not None else None})
+    job.expect_erasures(plan.erasures.version)  # a privacy request registered since the plan: run again, filtering it
     for merge in merges:
         job.target(merge.targets)
     groups = {m.group for m in merges if m.decoded}  # groups with a change to merge

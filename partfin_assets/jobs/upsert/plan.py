@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
@@ -25,15 +26,18 @@ from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.typedef import Record
 
+from partfin_assets.iceberg.erasures import load_erasures
 from partfin_assets.iceberg.files import (
     added_data_files,
     data_files,
     partition_key_of,
     partition_path,
     position_delete_files,
+    read_files,
 )
 from partfin_assets.iceberg.history import recorded_watermark, snapshots_since, watermark_of
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.erasure import Erasures, without_erased
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z
 
@@ -75,6 +79,7 @@ class MergePosition:
     watermark: str | None
     buckets: int | None
     groups: int
+    erasures: Erasures  # what the changes were filtered with: the commit fails if a privacy request came after
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class UpsertPlan:
     buckets: int | None  # bucket count of base's partition spec; None if unpartitioned
     groups: int = 1  # G: changes and files are grouped by bucket mod G
     layout: dict[int, GroupFiles] = field(default_factory=dict)  # base's live files by group (groups without files absent)
+    erasures: Erasures | None = None  # the erasures in force when the plan was made (after the job's start)
 
     @property
     def cdc_snapshot(self) -> Snapshot:
@@ -101,8 +107,12 @@ class UpsertPlan:
     def position(self) -> MergePosition:
         return MergePosition(
             self.spec, self.cdc_snapshot.snapshot_id, self.previous_source_id, self.merged_ids, self.full,
-            self.watermark, self.buckets, self.groups,
+            self.watermark, self.buckets, self.groups, self.erasures or Erasures(self.spec.primary_key),
         )
+
+    def read_changes(self) -> tuple[pa.Table, int]:
+        """The changes to merge, without those a privacy request erased; and how many were left out."""
+        return without_erased(read_files(self.cdc, self.cdc_files), self.erasures or Erasures(self.spec.primary_key))
 
 
 def merged_source_snapshot_id(properties: dict[str, str]) -> int | None:
@@ -154,6 +164,7 @@ def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table, *, max_groups: i
         buckets=buckets,
         groups=groups,
         layout=layout,
+        erasures=load_erasures(catalog, spec),  # read after the job's start: a request fenced before it is in
     )
 
 

@@ -23,16 +23,22 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
 from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
+from partfin_assets.iceberg.erasures import current_erasures
 from partfin_assets.iceberg.tables import QUARANTINE_SCHEMA, ensure_quarantine_table
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.erasure import Erasures, without_erased
 from partfin_assets.model.records import RECORD_IDENTITY, records_not_in
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 
 
 
-def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_snapshot_id: int) -> int:
-    """Append the changes of `unfit` (CDC rows + column, reason) not quarantined yet; how many were new."""
+def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_snapshot_id: int, erasures: Erasures | None = None) -> int:
+    """Append the changes of `unfit` (CDC rows + column, reason) not quarantined yet; how many were new.
+
+    `erasures`: what `unfit` was filtered with; a privacy request the quarantine table is fenced at since
+    (iceberg/erasures.py) is filtered here, in the commit attempt that sees it.
+    """
     if unfit.num_rows == 0:
         return 0
     ensure_quarantine_table(catalog, spec)
@@ -43,7 +49,8 @@ def quarantine_changes(catalog: Catalog, spec: TableSpec, unfit: pa.Table, cdc_s
 
     def build(table: Table, commit_id: str):
         nonlocal added
-        new = _not_yet_quarantined(table, rows)
+        fit, _ = without_erased(rows, current_erasures(catalog, spec, table, erasures or Erasures(spec.primary_key)))
+        new = _not_yet_quarantined(table, fit)
         added = new.num_rows
         if not added:
             return None

@@ -14,7 +14,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table.metadata import TableMetadata
 
 from partfin_assets.iceberg.catalog import load_existing_table
-from partfin_assets.iceberg.files import partition_path, read_files
+from partfin_assets.iceberg.files import partition_path
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.jobs.upsert.commit import commit_merge, sync_merged_tag
@@ -120,7 +120,7 @@ def run_upsert(
                 inserted=0, updated=0, deleted=0, watermark=job.table.properties.get(K.PROP_WATERMARK), hours_touched=[],
                 previous_cdc_snapshot_id=source_id,
             )
-        raw = read_files(plan.cdc, plan.cdc_files)
+        raw, _ = plan.read_changes()
         keyed, unfit_keys = decode_keys(spec, raw)
         merges: list[GroupMerge] = []
         for group, group_rows in sorted(split_by_group(plan, keyed).items()):
@@ -130,7 +130,7 @@ def run_upsert(
                 max_data_files=max_data_files, on_read=lambda: _crash("after-read", crash_hook),
             ))
         unfit = unfit_in_cdc_order([unfit_keys, *(m.unfit for m in merges)])
-        quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id)  # before base moves past these changes
+        quarantine_changes(catalog, spec, unfit, plan.cdc_snapshot.snapshot_id, plan.erasures)  # before base moves past these changes
         _crash("after-files", crash_hook)
         committed = commit_merge(job, plan.position, merges, quarantined=unfit.num_rows)
     _crash("after-commit", crash_hook)
