@@ -10,8 +10,9 @@ import logging
 import sys
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.live import Live
@@ -20,7 +21,7 @@ from partfin_assets.finalization.hours import hour_key, parse_hour
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
-from partfin_assets.iceberg.catalog import CatalogConfig, load_existing_table, load_partfin_catalog, load_table_if_exists
+from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
@@ -38,16 +39,16 @@ from partfin_assets.jobs.replay import ReplayRefused, replay_hour_from_history
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import InvalidInput, PartfinError, first_line
+from partfin_assets.model.errors import EXIT_BUG, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
-from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
-from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec, check_table_name
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
 from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="partfin", description=__doc__)
+    parser = _Parser(prog="partfin", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -58,10 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="synthetic[:opt=value,...] | debezium:PATH | postgres:DSN[#schema.table] | kafka:BOOTSTRAP#TOPIC[,group=G,...]",
     )
     ingest.add_argument("--primary-key", help="primary-key column(s), comma separated (debezium, kafka)")
-    ingest.add_argument("--checkpoint-records", type=int, default=10_000, help="records per checkpoint (default 10000)")
-    ingest.add_argument("--subtasks", type=int, default=1, help="parallel writer subtasks (default 1)")
+    ingest.add_argument("--checkpoint-records", type=_option(_at_least_one), default=10_000, help="records per checkpoint (default 10000)")
+    ingest.add_argument("--subtasks", type=_option(_at_least_one), default=1, help="parallel writer subtasks (default 1)")
     ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
-    ingest.add_argument("--max-checkpoints", type=int, help="stop after this many checkpoints")
+    ingest.add_argument("--max-checkpoints", type=_option(_at_least_one), help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
     ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
                         f"{DEFAULT_WATERMARK_POLICY}); on an existing table: a policy change")
@@ -80,30 +81,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay = commands.add_parser(
         "replay", help="replay one hour of cdc.<table> from the history its writers read (Dagster: materialize that cdc/<table> partition)")
     replay.add_argument("--table", required=True)
-    replay.add_argument("--hour", required=True, help="the hour, 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
+    replay.add_argument("--hour", required=True, type=_option(parse_hour), help="the hour, 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
     replay.add_argument("--force", action="store_true", help="replace the hour even if that removes far more records than it adds")
 
     compact = commands.add_parser(
         "compact", help="small-file compaction of the finalized hours of cdc.<table>, then of base.<table> (Dagster: compact_<table>)")
     compact.add_argument("--table", required=True)
-    compact.add_argument("--target-file-size", type=int, default=DEFAULT_TARGET_FILE_SIZE,
+    compact.add_argument("--target-file-size", type=_option(_at_least_one), default=DEFAULT_TARGET_FILE_SIZE,
                          help=f"bytes per rewritten file (default {DEFAULT_TARGET_FILE_SIZE})")
-    compact.add_argument("--min-input-files", type=int, default=2, help="rewrite a partition holding at least this many small files (default 2)")
+    compact.add_argument("--min-input-files", type=_option(_at_least_one), default=2, help="rewrite a partition holding at least this many small files (default 2)")
 
     privacy = commands.add_parser(
-        "privacy-delete", help="delete every row of primary keys from cdc.<table>, then base.<table> (Dagster: privacy_delete_<table>)")
+        "privacy-delete", help="erase primary keys from every table partfin writes for <table>, for good (Dagster: privacy_delete_<table>)")
     privacy.add_argument("--table", required=True)
     privacy.add_argument("--key", action="append", required=True, dest="keys",
                          help='a primary key as JSON, e.g. \'{"id": 42}\' (repeatable)')
+    privacy.add_argument("--erase-before", type=_option(parse_iso),
+                         help="erase the keys' changes with an event time up to this ISO 8601 time (default: now, when the request "
+                         "is registered); later changes at the source are new data")
     privacy.add_argument("--request-id", required=True,
                          help="the request's id: recorded in snapshot summaries (never the keys); the same id resumes a crashed request")
 
     maintain = commands.add_parser(
         "maintain", help="snapshot expiry, then orphan-file removal, of every table partfin keeps for <table> (Dagster: maintain_<table>)")
     maintain.add_argument("--table", required=True)
-    maintain.add_argument("--keep-last", type=int, default=Retention.keep_last,
+    maintain.add_argument("--keep-last", type=_option(_at_least_one), default=Retention.keep_last,
                           help=f"newest snapshots always kept, besides the watermark policy's window and writer positions (default {Retention.keep_last})")
-    maintain.add_argument("--orphan-min-age", default=f"{MAINTENANCE_ORPHAN_AGE_S // 3600}h",
+    maintain.add_argument("--orphan-min-age", type=_option(parse_duration), default=f"{MAINTENANCE_ORPHAN_AGE_S // 3600}h",
                           help="never delete an unreferenced file younger than this: a running job may still commit it (default 24h)")
     maintain.add_argument("--dry-run", action="store_true", help="list orphan files without deleting them")
 
@@ -120,18 +124,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     retire.add_argument("--stream", required=True, help="the stream id: a writer id (retires its partition streams too)")
     idle = stream_actions.add_parser("idle-timeout", help="show or set how long a silent stream holds the watermark")
     idle.add_argument("--table", required=True)
-    idle.add_argument("timeout", nargs="?", help="e.g. 15m (the default), 2h, 90s")
+    idle.add_argument("timeout", nargs="?", type=_option(parse_duration), help="e.g. 15m (the default), 2h, 90s")
 
     late_data = commands.add_parser("late-data", help="late records of cdc.<table>: acknowledge those that need no re-run")
     late_actions = late_data.add_subparsers(dest="action", required=True)
     ack = late_actions.add_parser("ack", help="acknowledge the late records hours hold now (the late_data WARN clears for them)")
     ack.add_argument("--table", required=True)
     ack_hours = ack.add_mutually_exclusive_group(required=True)
-    ack_hours.add_argument("--hour", action="append", type=parse_hour, dest="hours",
+    ack_hours.add_argument("--hour", action="append", type=_option(parse_hour), dest="hours",
                            help="an hour holding late records, 2026-01-01-05:00 or 2026-01-01T05:00:00Z (repeatable)")
     ack_hours.add_argument("--all", action="store_true", help="every hour holding late records")
     ack.add_argument("--reason", required=True, help="why the late records need no re-run (recorded with who and when)")
-    ack.add_argument("--by", default=getpass.getuser(), help="who acknowledges (default: the login name)")
+    ack.add_argument("--by", type=_option(_someone), default=getpass.getuser(), help="who acknowledges (default: the login name)")
 
     report = commands.add_parser("report", help="a picture of finalization: an HTML page and a PNG for cdc.<table>")
     report.add_argument("--table", required=True)
@@ -149,28 +153,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     lab.add_argument("--seed", type=int, default=13, help="seed of the simulated stream (default 13)")
 
     args = parser.parse_args(argv)
-    secrets = (getattr(args, "source", None), *Settings.from_env().secrets())
+    secrets = [getattr(args, "source", None)]
     handler = logging.StreamHandler()
     handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", secrets))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
+        secrets += Settings.from_env().secrets()
+        if getattr(args, "table", None) is not None:
+            check_table_name(args.table)  # every command's --table, before any catalog is touched
         return {"ingest": _ingest, "upsert": _upsert, "base": _base, "replay": _replay, "compact": _compact, "privacy-delete": _privacy_delete,
                 "maintain": _maintain, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
                 "policy-lab": _policy_lab}[args.command](args)
-    except PartfinError as exc:  # a problem the user can fix; anything else is a bug and keeps its traceback
-        print(f"partfin: error: {redact(str(exc), *secrets)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # a bug: its traceback, passwords masked
-        print(redact("".join(traceback.format_exception(exc)), *secrets), file=sys.stderr, end="")
-        return 1
+    except Exception as exc:
+        return _failed(exc, secrets)
+
+
+def _failed(exc: Exception, secrets: Sequence[str | None]) -> int:
+    """How a command that raised `exc` ends (exit codes in model/errors.py): one line and EXIT_USAGE for a problem
+    the user can fix, one line and EXIT_TRY_AGAIN for one that may pass (a locked catalog, a full disk), else a bug:
+    its traceback and EXIT_BUG. Passwords are masked in all of them."""
+    environment = environment_failure(exc.__cause__ if isinstance(exc, PartfinError) else exc)
+    if isinstance(exc, PartfinError) or environment is not None:
+        code, text = environment if environment is not None else (EXIT_USAGE, str(exc))
+        print(f"partfin: error: {redact(text, *secrets)}", file=sys.stderr)
+        return code
+    print(redact("".join(traceback.format_exception(exc)), *secrets), file=sys.stderr, end="")
+    return EXIT_BUG
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`partfin: error: ...`, exit 2) like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("partfin").strip()
+        self.exit(EXIT_USAGE, f"partfin: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
+def _option(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An option's parser whose refusal argparse shows as it is (not as "invalid <function name> value")."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except (PartfinError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise InvalidInput(f"not a whole number: {text!r}") from None
+    if number < 1:
+        raise InvalidInput(f"must be at least 1, got {number}")
+    return number
+
+
+def _someone(text: str) -> str:
+    if not text.strip():
+        raise InvalidInput("who acknowledges may not be blank")
+    return text.strip()
 
 
 class _RedactingFormatter(logging.Formatter):
     """Log lines (and the tracebacks they carry) with passwords masked."""
 
-    def __init__(self, fmt: str, secrets: tuple[str | None, ...]) -> None:
+    def __init__(self, fmt: str, secrets: Sequence[str | None]) -> None:
         super().__init__(fmt)
         self.secrets = secrets
 
@@ -181,9 +233,11 @@ class _RedactingFormatter(logging.Formatter):
 def _ingest(args: argparse.Namespace) -> int:
     if args.watermark_policy is not None:
         WatermarkPolicy.parse(args.watermark_policy)  # a bad one is refused before the catalog is touched
-    catalog = load_partfin_catalog()
-    spec = _ingest_spec(catalog, args)
-    source = make_source(args.source, spec, primary_key=args.primary_key, **({"follow": True} if args.follow else {}))
+    config = CatalogConfig.from_env()
+    existing = config.load() if config.exists() else None  # a refused ingest creates no catalog
+    spec = _ingest_spec(existing, args)
+    source = make_source(args.source, spec, primary_key=args.primary_key, complete=not args.follow, **({"follow": True} if args.follow else {}))
+    catalog = existing if existing is not None else config.load(create=True)
     writer = CdcWriter(catalog, spec, writer_id=args.writer_id, subtasks=args.subtasks)
     progress = _Progress(spec.cdc_identifier)
     try:
@@ -203,20 +257,21 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
-    """The table's declaration: the one stored with cdc.<table>, else the source's own or --primary-key."""
+    """The table's declaration: the one stored with cdc.<table>, else (no such table, or no catalog yet: None)
+    the source's own or --primary-key."""
 
     source_kind(args.source)  # an unknown kind is refused before the catalog is touched
     identifier = f"cdc.{args.table}"
     policy = args.watermark_policy
     if policy is not None:
         policy = str(WatermarkPolicy.parse(policy))
-    if catalog.table_exists(identifier):
+    if catalog is not None and catalog.table_exists(identifier):
         spec = TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
         if policy is not None and policy != spec.watermark_policy:  # its first checkpoint records the change
             set_table_properties(catalog, identifier, {K.PROP_WATERMARK_POLICY: policy})
             spec = dataclasses.replace(spec, watermark_policy=policy)
         return spec
-    spec = source_table_spec(args.source, args.table, args.primary_key)
+    spec = source_table_spec(args.source, args.table, args.primary_key, complete=not args.follow)
     return spec if policy is None else dataclasses.replace(spec, watermark_policy=policy)
 
 
@@ -260,15 +315,20 @@ class _Progress:
             self.live.stop()
 
 
+def _existing_catalog():
+    """The catalog of a command that only works on tables already there: it never creates one (NoCatalog)."""
+    return load_partfin_catalog(create=False)
+
+
 def _upsert(args: argparse.Namespace) -> int:
-    catalog = load_partfin_catalog()
+    catalog = _existing_catalog()
     result = retry_on_conflict(lambda: run_upsert(catalog, args.table))  # a lost race re-runs from fresh data
     print(result.describe())
     return 0
 
 
 def _base(args: argparse.Namespace) -> int:
-    catalog = load_partfin_catalog()
+    catalog = _existing_catalog()
     result = retry_on_conflict(lambda: rebucket(catalog, args.table, args.buckets))  # another rebucket won: re-checked on fresh metadata
     print(result.describe())
     return 0
@@ -287,8 +347,8 @@ def _retrying(what: str, run):
 
 
 def _replay(args: argparse.Namespace) -> int:
-    hour = _user_hour(args.hour)
-    catalog = load_partfin_catalog()
+    hour = args.hour
+    catalog = _existing_catalog()
     load_existing_table(catalog, f"cdc.{args.table}")
     job_id = f"cli-{uuid.uuid4().hex}-{hour_key(hour)}"  # every attempt: a re-run after an unknown outcome finds its commit
     try:
@@ -302,19 +362,8 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_hour(text: str) -> int:
-    try:
-        return parse_hour(text)
-    except PartfinError:
-        raise
-    except ValueError:
-        raise InvalidInput(f"--hour {text!r} is no hour; name one as 2026-01-01-05:00 or 2026-01-01T05:00:00Z") from None
-
-
 def _compact(args: argparse.Namespace) -> int:
-    if args.target_file_size < 1 or args.min_input_files < 1:
-        raise InvalidInput("--target-file-size and --min-input-files must be positive")
-    catalog = load_partfin_catalog()
+    catalog = _existing_catalog()
     load_existing_table(catalog, f"cdc.{args.table}")
     for identifier in (f"cdc.{args.table}", f"base.{args.table}"):  # cdc first, as compact_<table>'s steps
         if load_table_if_exists(catalog, identifier) is None:
@@ -338,34 +387,39 @@ def _privacy_delete(args: argparse.Namespace) -> int:
         keys.append(key)
     if not args.request_id.strip():
         raise InvalidInput("--request-id must not be blank")
-    catalog = load_partfin_catalog()
-    result = _retrying(f"privacy delete {args.request_id} on {args.table}",
-                       lambda: privacy_delete(catalog, args.table, keys, request_id=args.request_id))
-    print(f"privacy delete {args.request_id}: {result.cdc_deleted} record(s) deleted from cdc.{args.table}, "
-          f"{result.base_deleted} from base.{args.table} ({len(keys)} key(s)); older snapshots still reference the old files "
+    catalog = _existing_catalog()
+    erase_before = to_us(args.erase_before) if args.erase_before else None
+    result = _retrying(f"privacy delete {args.request_id} on {args.table}", lambda: privacy_delete(
+        catalog, args.table, keys, request_id=args.request_id, erased_before_us=erase_before))
+    deleted = ", ".join(f"{n} record(s) from {identifier}" for identifier, n in result.deleted_by_table().items())
+    print(f"privacy delete {args.request_id} ({len(keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
+          f"{deleted or 'nothing held them'}; older snapshots still reference the old files "
           f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
     return 0
 
 
 def _maintain(args: argparse.Namespace) -> int:
     retention = Retention(keep_last=args.keep_last)
-    age_s = parse_duration(args.orphan_min_age).total_seconds()
-    catalog = load_partfin_catalog()
+    age_s = args.orphan_min_age.total_seconds()
+    catalog = _existing_catalog()
     load_existing_table(catalog, f"cdc.{args.table}")
     tables = maintained_tables(catalog, args.table)
     for maintained in tables:  # expiry first: what it frees becomes an orphan
-        expired = expire_table_snapshots(catalog, maintained.identifier, retention, companion=maintained.companion)
+        expired = expire_table_snapshots(catalog, maintained.identifier, maintained.retention(retention))
         kept = len(catalog.load_table(maintained.identifier).metadata.snapshots)
         print(f"{maintained.identifier}: {expired} snapshot(s) expired, {kept} kept")
     for maintained in tables:
         report = remove_orphan_files(catalog, maintained.identifier, older_than_s=age_s, dry_run=args.dry_run)
         print(f"{maintained.identifier}: {len(report.orphans)} orphan file(s) {'found' if args.dry_run else 'deleted'} "
-              f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {args.orphan_min_age} kept")
+              f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {age_s:g} s kept")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    statuses = all_table_status(load_partfin_catalog())
+    try:
+        statuses = all_table_status(_existing_catalog())
+    except NoCatalog:
+        statuses = []  # nothing ingested here yet: said below, and nothing is created
     if args.json:
         print(json.dumps({"tables": [s.as_dict() for s in statuses]}, indent=2))
         return 0
@@ -379,7 +433,7 @@ def _status(args: argparse.Namespace) -> int:
     print(header)
     for s in statuses:
         print(
-            f"{s.name:<24} {s.watermark or '-':<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
+            f"{s.name:<24} {s.watermark or ('BROKEN' if s.broken else '-'):<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
             f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
             f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
         )
@@ -400,11 +454,14 @@ def _status(args: argparse.Namespace) -> int:
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
+    for s in statuses:
+        if s.broken:
+            print(s.broken)
     return 0
 
 
 def _late_data(args: argparse.Namespace) -> int:
-    acks = acknowledge_late_hours(load_partfin_catalog(), args.table, None if args.all else args.hours, args.reason, args.by)
+    acks = acknowledge_late_hours(_existing_catalog(), args.table, None if args.all else args.hours, args.reason, args.by)
     for ack in acks:
         print(f"cdc.{args.table}: hour {ack.as_dict()['hour']}: {ack.late_records} late record(s) acknowledged by {ack.by} "
               f"({ack.reason}); late records arriving later raise the WARN again")
@@ -414,14 +471,15 @@ def _late_data(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     config = CatalogConfig.from_env()
     out = Path(args.out) if args.out else report_dir(config.home)
-    page, picture = write_report(config.load(), args.table, out)
+    page, picture = write_report(config.load(create=False), args.table, out)
     print(f"cdc.{args.table}: {page} (self-contained HTML) and {picture} (PNG)")
     return 0
 
 
 def _streams(args: argparse.Namespace) -> int:
-    catalog = load_partfin_catalog()
+    catalog = _existing_catalog()
     identifier = f"cdc.{args.table}"
+    load_existing_table(catalog, identifier)  # one line for a table that is not there, whatever the action
     if args.action == "retire":
         stream = retire_stream(catalog, identifier, args.stream)
         print(f"{identifier}: stream {stream.stream_id!r} retired; the watermark no longer waits for it "
@@ -429,7 +487,7 @@ def _streams(args: argparse.Namespace) -> int:
         return 0
     if args.action == "idle-timeout":
         if args.timeout is not None:
-            set_idle_timeout(catalog, identifier, parse_duration(args.timeout))
+            set_idle_timeout(catalog, identifier, args.timeout)
         timeout = idle_timeout_us(load_existing_table(catalog, identifier).properties) / US_PER_SECOND
         print(f"{identifier}: a stream that commits nothing for {timeout:g}s stops holding the watermark")
         return 0
@@ -450,7 +508,7 @@ def _policy_lab(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         data = simulate(args.scenario, seed=args.seed)
     else:
-        catalog = load_partfin_catalog()
+        catalog = _existing_catalog()
         load_existing_table(catalog, f"cdc.{args.table}")  # a clear error for a table that is not there
         data = recorded(read_ledger(catalog, f"cdc.{args.table}", columns=LAB_COLUMNS), args.table)
     policies = args.policies or [*DEFAULT_POLICIES, f"late-budget:{args.budget:g}"]

@@ -58,6 +58,12 @@ def test_unreachable_catalog_is_one_clear_line(tmp_path):
 
 def test_unknown_table_and_bad_source_name_the_problem(tmp_path):
     result = partfin(tmp_path, "upsert", "--table", "nope")
+    assert result.returncode == 2  # no catalog there yet: said, and none is created (test_refusals.py)
+    assert len(result.stderr.strip().splitlines()) == 1 and f"no partfin catalog at {tmp_path}" in result.stderr
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+
+    load_partfin_catalog(tmp_path)  # an empty catalog
+    result = partfin(tmp_path, "upsert", "--table", "nope")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "cdc.nope" in result.stderr
     result = partfin(tmp_path, "ingest", "--table", "orders", "--source", "kinesis:topic")
@@ -104,8 +110,8 @@ def test_debezium_ingest_with_bad_lines_rejects_them_and_goes_on(tmp_path):
 def test_every_bad_value_a_user_gives_is_one_line_and_exit_2(tmp_path):
     synthetic = "synthetic:seed=1,start=2026-11-01T00:00:00Z,end=2026-11-01T01:00:00Z"
     cases = {
-        ("ingest", "--table", "orders", "--source", synthetic, "--subtasks", "0"): "subtasks must be at least 1",
-        ("ingest", "--table", "orders", "--source", synthetic, "--checkpoint-records", "0"): "max_records must be at least 1",
+        ("ingest", "--table", "orders", "--source", synthetic, "--subtasks", "0"): "--subtasks: must be at least 1",
+        ("ingest", "--table", "orders", "--source", synthetic, "--checkpoint-records", "0"): "--checkpoint-records: must be at least 1",
         ("ingest", "--table", "orders", "--source", "synthetic:rate=-1"): "rate must be positive",
         ("ingest", "--table", "orders", "--source", "synthetic:start=yesterday"): "yesterday",
         ("streams", "idle-timeout", "--table", "orders", "soon"): "not a duration: 'soon'",
@@ -121,11 +127,13 @@ def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
     # only PartfinError is the user's to fix (one line, exit 2); any other exception, a ValueError
     # included, is a bug: its traceback and exit 1
     from partfin_assets import cli
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     def broken_upsert(catalog, table):
         raise ValueError("an invariant partfin broke")
 
     monkeypatch.setenv("PARTFIN_HOME", str(tmp_path))
+    load_partfin_catalog(tmp_path)  # a catalog there (upsert creates none)
     monkeypatch.setattr(cli, "run_upsert", broken_upsert)
     assert cli.main(["upsert", "--table", "orders"]) == 1
     err = capsys.readouterr().err

@@ -30,7 +30,7 @@ def hour_from_key(key: str) -> int:
 def parse_hour(text: str) -> int:
     """An hour a user names: a partition key (2026-01-01-05:00) or an ISO-8601 UTC time on the hour (2026-01-01T05:00:00Z)."""
     try:
-        return hour_from_key(text)
+        hour = hour_from_key(text)
     except ValueError:
         hour = to_us(parse_iso(text))
     if hour != floor_hour_us(hour):

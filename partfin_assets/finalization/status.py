@@ -12,10 +12,11 @@ from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
-from partfin_assets.iceberg.erasures import ERASURES_SUFFIX
-from partfin_assets.iceberg.tables import LEDGER_SUFFIX, bucket_load
+from partfin_assets.iceberg.tables import bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import BrokenTable
+from partfin_assets.model.tablespec import COMPANION_SUFFIXES, REJECTED_SUFFIX
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
 
 
@@ -45,6 +46,7 @@ class TableStatus:
     buckets: int | None = None
     bytes_per_bucket: int | None = None
     rebucket: str | None = None
+    broken: str | None = None  # why the table (or its __rejected table) cannot be loaded: the missing metadata file
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,8 +123,11 @@ def all_table_status(catalog: Catalog) -> list[TableStatus]:
             continue
         names = {".".join(ident) for ident in identifiers}
         for name in sorted(names):
-            if name.endswith(("__rejected", LEDGER_SUFFIX, ERASURES_SUFFIX)):
+            if name.endswith(COMPANION_SUFFIXES):
                 continue
-            rejected = catalog.load_table(f"{name}__rejected") if f"{name}__rejected" in names else None
-            out.append(table_status(name, catalog.load_table(name), rejected))
+            try:
+                rejected = catalog.load_table(f"{name}{REJECTED_SUFFIX}") if f"{name}{REJECTED_SUFFIX}" in names else None
+                out.append(table_status(name, catalog.load_table(name), rejected))
+            except BrokenTable as exc:  # reported, and every other table still is
+                out.append(TableStatus(name, namespace, None, None, None, None, 0, 0, broken=str(exc)))
     return out

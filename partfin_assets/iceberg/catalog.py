@@ -6,12 +6,18 @@
 - PARTFIN_CATALOG=<name>: a named PyIceberg catalog (REST, Glue, Hive...) configured the
   PyIceberg way (~/.pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__* variables).
 
-Misconfiguration raises PartfinConfigError with one line naming what to fix.
+Misconfiguration raises PartfinConfigError with one line naming what to fix. Only a command that
+writes creates the default catalog (`load(create=True)`); any other finds there is none
+(NoCatalog) and leaves the directory as it was.
+
+A table whose current metadata file is missing cannot be loaded: BrokenTable, one line naming
+the file, for that table alone (SqlCatalog otherwise raises a bare FileNotFoundError).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +28,7 @@ from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceErr
 from pyiceberg.table import Table
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from partfin_assets.model.errors import PartfinConfigError, one_line
+from partfin_assets.model.errors import BrokenTable, PartfinConfigError, first_line, one_line
 from partfin_assets.model.redaction import redact, secrets_redacted
 from partfin_assets.model.settings import Settings
 
@@ -57,7 +63,20 @@ class CatalogConfig:
             return f"PyIceberg catalog {self.named!r} (PARTFIN_CATALOG)"
         return f"SQL catalog at {redact(self.sql_uri)}"
 
-    def load(self) -> Catalog:
+    @property
+    def sqlite_path(self) -> Path | None:
+        """The default catalog's database file (None for PARTFIN_CATALOG_URI or PARTFIN_CATALOG)."""
+        return None if self.uri or self.named else self.home / "catalog.db"
+
+    def exists(self) -> bool:
+        """Whether the catalog is there to read: a configured one always is; the default one once a command created it."""
+        return self.sqlite_path is None or self.sqlite_path.is_file()
+
+    def load(self, create: bool = True) -> Catalog:
+        """The catalog; without `create`, NoCatalog if the default one does not exist yet (nothing is created)."""
+        if not create and not self.exists():
+            raise NoCatalog(f"no partfin catalog at {self.home} (PARTFIN_HOME): nothing ingested there yet; "
+                            "run `partfin ingest --table T --source ...` first, or set PARTFIN_HOME")
         if self.named:
             try:
                 with secrets_redacted():
@@ -90,7 +109,7 @@ class CatalogConfig:
         attempts = 0
         while True:
             try:
-                return SqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+                return _PartfinSqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
             except SQLAlchemyError as exc:
                 attempts += 1
                 if attempts == _INIT_ATTEMPTS or not _lost_creation_race(exc):
@@ -101,13 +120,33 @@ class CatalogConfig:
 _INIT_ATTEMPTS = 5
 
 
+class NoCatalog(PartfinConfigError):
+    """The default catalog does not exist yet: nothing was ingested under this PARTFIN_HOME."""
+
+
+class _PartfinSqlCatalog(SqlCatalog):
+    """PyIceberg's SqlCatalog, with a table whose current metadata file is gone reported as BrokenTable."""
+
+    def load_table(self, identifier) -> Table:
+        try:
+            return super().load_table(identifier)
+        except FileNotFoundError as exc:
+            name = identifier if isinstance(identifier, str) else ".".join(identifier)
+            quoted = re.search(r"'([^']+\.metadata\.json)'", str(exc))  # pyarrow names it in its message only
+            missing = exc.filename or (quoted[1] if quoted else first_line(str(exc)))
+            raise BrokenTable(
+                f"table {name} is broken: its current metadata file {missing} is missing; restore it from a backup "
+                "(other tables are not affected)"
+            ) from None
+
+
 def _lost_creation_race(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, IntegrityError) or "already exists" in text or "locked" in text
 
 
-def load_partfin_catalog(home: str | os.PathLike | None = None) -> Catalog:
-    return CatalogConfig.from_env(home).load()
+def load_partfin_catalog(home: str | os.PathLike | None = None, *, create: bool = True) -> Catalog:
+    return CatalogConfig.from_env(home).load(create)
 
 
 def ensure_namespaces(catalog: Catalog, *namespaces: str) -> None:

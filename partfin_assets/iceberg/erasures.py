@@ -33,9 +33,8 @@ from partfin_assets.iceberg.tables import create_if_absent
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasure, Erasures, key_hash
 from partfin_assets.model.summary_keys import JobKind
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import ERASURES_SUFFIX, TableSpec
 
-ERASURES_SUFFIX = "__erasures"
 ERASURES_SCHEMA = Schema(
     NestedField(1, "request_id", StringType(), required=True),
     NestedField(2, "key_hash", StringType(), required=True),  # sha256(salt, canonical key): never the key

@@ -46,7 +46,7 @@ from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_manag
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import LEDGER_SUFFIX, TableSpec
 
 CDC_SCHEMA = Schema(
     NestedField(1, "key", StringType(), required=True),
@@ -73,7 +73,6 @@ REJECTED_SCHEMA = Schema(
 )
 
 # <cdc table>__ledger: the durable late-data ledger (iceberg/ledger.py), one row per (stream, checkpoint, event hour)
-LEDGER_SUFFIX = "__ledger"
 LEDGER_SCHEMA = Schema(
     NestedField(1, "stream", StringType(), required=True),
     NestedField(2, "checkpoint_id", LongType(), required=True),

@@ -29,6 +29,8 @@ class Settings:
     max_records: int = field(default=20_000, metadata={"env": "PARTFIN_MAX_RECORDS"})
     max_checkpoints_per_run: int = field(default=500, metadata={"env": "PARTFIN_MAX_CHECKPOINTS_PER_RUN"})
     max_seconds_per_run: float = field(default=45.0, metadata={"env": "PARTFIN_MAX_SECONDS_PER_RUN"})
+    # a source message (a Debezium line, a Kafka value) longer than this is rejected unparsed (sources/debezium_json.py)
+    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"env": "PARTFIN_MAX_MESSAGE_BYTES"})
     # the sensor / schedule kinds started on, comma separated; unset: all, empty: none
     sensors: str | None = field(default=None, metadata={"env": "PARTFIN_SENSORS", "empty_is_value": True})
     schedules: str | None = field(default=None, metadata={"env": "PARTFIN_SCHEDULES", "empty_is_value": True})

@@ -13,6 +13,24 @@ from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY, PROP_WATERMARK_POLICY
 
 DEFAULT_WATERMARK_POLICY = "late-budget:0.001"
+# partfin's companion tables of cdc.<t> and base.<t>: cdc.<t>__rejected, cdc.<t>__ledger, cdc.<t>__erasures,
+# base.<t>__rejected
+REJECTED_SUFFIX = "__rejected"
+LEDGER_SUFFIX = "__ledger"
+ERASURES_SUFFIX = "__erasures"
+COMPANION_SUFFIXES = (REJECTED_SUFFIX, LEDGER_SUFFIX, ERASURES_SUFFIX)
+
+
+def check_table_name(name: str) -> str:
+    """A table name a user gives, if partfin can use it: a plain identifier that is not a companion table's name."""
+    if not name.isidentifier():
+        raise InvalidInput(f"table name {name!r} must be a plain identifier: letters, digits and _ (it becomes cdc.<name>)")
+    for suffix in COMPANION_SUFFIXES:
+        if name.endswith(suffix) and name != suffix:
+            owner = name[: -len(suffix)]
+            raise InvalidInput(f"table name {name!r} is taken by partfin: cdc.{name} is the {suffix[2:]} table of cdc.{owner}; "
+                               "choose a name that does not end in " + " or ".join(COMPANION_SUFFIXES))
+    return name
 
 _SIMPLE_TYPES = {
     "bool": pa.bool_(),
@@ -83,8 +101,7 @@ class TableSpec:
     watermark_policy: str = DEFAULT_WATERMARK_POLICY
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise InvalidInput(f"table name {self.name!r} must be a plain identifier (it becomes cdc.{self.name})")
+        check_table_name(self.name)
         if not self.primary_key:
             raise InvalidInput(f"table {self.name!r} declares no primary key")
         missing = [c for c in self.primary_key if self.columns and c not in self.columns]
@@ -122,12 +139,12 @@ class TableSpec:
     @property
     def rejected_identifier(self) -> str:
         """Lines the CDC writer could not read (the raw line and why)."""
-        return f"cdc.{self.name}__rejected"
+        return f"cdc.{self.name}{REJECTED_SUFFIX}"
 
     @property
     def quarantine_identifier(self) -> str:
         """CDC changes the upsert could not decode (key, source position and why)."""
-        return f"base.{self.name}__rejected"
+        return f"base.{self.name}{REJECTED_SUFFIX}"
 
     @property
     def row_identifiers(self) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ a message's value bytes too. Bad lines are rejected with a reason, never raised 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import zlib
@@ -26,13 +27,15 @@ from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us
 from partfin_assets.sources.debezium_json import (
+    OVERSIZED_RAW_BYTES,
     DebeziumJsonDecoder,
     DecodedChange,
     DecodedHeartbeat,
     RejectedMessage,
-    connect_column,
-    image_fields,
+    oversized,
 )
+
+log = logging.getLogger(__name__)
 
 _SCHEMA_PEEK_LINES = 1_000  # lines read to find a schema block when a table is declared
 
@@ -45,7 +48,11 @@ class DebeziumFileSource:
     1-based line number. The offset is compact JSON {"byte": position after the last consumed
     line, "line": its number, "crc32": of every byte before it, "tail_crc32": of the last (up to)
     1 KiB before it}. Only newline-terminated lines are consumed, so a line still being written is
-    read on a later pass. Tombstones and blank lines carry no change and are skipped.
+    read on a later pass; with `complete_file` (`partfin ingest` without --follow: the file is
+    complete), the last line is read at the end even without its newline, and a newline written
+    after it later ends that line rather than starting one. Tombstones and blank lines carry no
+    change and are skipped. A line longer than the size limit (PARTFIN_MAX_MESSAGE_BYTES) is read
+    to its end in chunks and rejected with its first bytes and its place in the file.
 
     Heartbeat messages (Debezium's heartbeat.interval.ms, written into the same file) become
     batches of their own carrying the heartbeat time, never mixed with changes, so a heartbeat
@@ -72,6 +79,7 @@ class DebeziumFileSource:
         primary_key: tuple[str, ...] | None = None,
         spec: TableSpec | None = None,
         follow: bool = False,
+        complete_file: bool = False,
         poll_interval: float = 0.5,
         idle_batch_every: float = 10.0,
         sleep: Callable[[float], None] = time.sleep,
@@ -83,6 +91,7 @@ class DebeziumFileSource:
         self.path = require_file(path)
         self.primary_key = key_columns
         self.follow = follow
+        self.complete_file = complete_file and not follow
         self.poll_interval = poll_interval
         self.idle_batch_every = idle_batch_every
         self._sleep = sleep
@@ -149,19 +158,20 @@ class DebeziumFileSource:
 
     def _read_batch(self, position: _FilePosition, max_lines: int) -> tuple[ChangeBatch | None, _FilePosition]:
         """The next batch after `position` (up to max_lines lines): changes, or one heartbeat, never both."""
-        consumed: list[bytes] = []
+        consumed: list[_Line] = []
         changes: list[tuple[int, DecodedChange]] = []
         rejected: list[tuple[int, str, str]] = []
         heartbeat_us = None
         with closing(self._complete_lines(position, max_lines)) as lines:
-            for raw in lines:
+            for line in lines:
                 number = position.line + len(consumed) + 1
-                decoded, reason = self._decode(raw)
+                decoded, reason = self._decode(line)
                 if isinstance(decoded, DecodedHeartbeat) and changes:
                     break  # not consumed: it makes the next batch
-                consumed.append(raw)
+                consumed.append(line)
                 if reason is not None:
-                    rejected.append((number, raw.decode("utf-8", errors="replace").rstrip("\r\n"), f"line {number}: {reason}"))
+                    raw = line.data.decode("utf-8", errors="replace").rstrip("\r\n")
+                    rejected.append((number, raw, f"line {number}: {reason}"))
                 elif isinstance(decoded, DecodedHeartbeat):  # a batch of its own: each may become a checkpoint
                     heartbeat_us = decoded.time_us
                     break
@@ -185,15 +195,17 @@ class DebeziumFileSource:
         )
         return batch, after
 
-    def _decode(self, raw: bytes) -> tuple[DecodedChange | DecodedHeartbeat | None, str | None]:
+    def _decode(self, line: _Line) -> tuple[DecodedChange | DecodedHeartbeat | None, str | None]:
+        if line.oversized:
+            return None, f"{oversized(line.size, self.decoder.max_message_bytes)}; it is bytes {line.start:,} to {line.start + line.size:,} of the file"
         try:
-            return self.decoder.decode(raw.rstrip(b"\r\n")), None
+            return self.decoder.decode(line.data.rstrip(b"\r\n")), None
         except RejectedMessage as reason:
             return None, str(reason)
 
-    def _decoded(self, lines: list[bytes], last_line_number: int) -> Iterator[tuple[int, Any, str | None]]:
-        for number, raw in enumerate(lines, start=last_line_number + 1):
-            yield (number, *self._decode(raw))
+    def _decoded(self, lines: list[_Line], last_line_number: int) -> Iterator[tuple[int, Any, str | None]]:
+        for number, line in enumerate(lines, start=last_line_number + 1):
+            yield (number, *self._decode(line))
 
     def _resume(self, offset: str) -> _FilePosition:
         """The position of a committed offset, with the bytes before it read back and checked."""
@@ -209,6 +221,11 @@ class DebeziumFileSource:
             if crc32 is None:  # an offset written before partfin kept checksums: take them once
                 file.seek(0)
                 crc32 = _crc_text(zlib.crc32(file.read(position.byte)))
+            if tail and not tail.endswith(b"\n") and file.read(1) == b"\n":
+                # the last line was read without its newline (the file was taken as complete): the newline written
+                # since ends that line, as a history read from the start sees it, rather than starting a blank one
+                return _FilePosition(position.byte + 1, position.line, _crc_text(zlib.crc32(b"\n", int(crc32, 16))),
+                                     (tail + b"\n")[-_TAIL_BYTES:])
         return _FilePosition(position.byte, position.line, crc32, tail)
 
     def _check_size(self, file, byte: int) -> None:
@@ -219,12 +236,17 @@ class DebeziumFileSource:
     def _rewritten(self, byte: int) -> str:
         return f"the bytes of {self.path} before byte {byte:,} are not the ones read there: the file was rotated or rewritten"
 
-    def _read_complete_lines(self, position: _FilePosition, max_lines: int, limit: int | None = None) -> list[bytes]:
+    def _read_complete_lines(self, position: _FilePosition, max_lines: int, limit: int | None = None) -> list[_Line]:
         with closing(self._complete_lines(position, max_lines, limit)) as lines:
             return list(lines)
 
-    def _complete_lines(self, position: _FilePosition, max_lines: int, limit: int | None = None) -> Iterator[bytes]:
-        """Up to max_lines complete lines after `position` (not past byte `limit`), once the bytes before it check out."""
+    def _complete_lines(self, position: _FilePosition, max_lines: int, limit: int | None = None) -> Iterator[_Line]:
+        """Up to max_lines complete lines after `position` (not past byte `limit`), once the bytes before it check out.
+
+        A line is complete when it ends with a newline; the file's last line without one is complete too
+        when the file is (`complete_file`), or when it ends exactly at `limit` (a history read up to an
+        offset that consumed it). A line longer than the size limit is read in chunks, never held whole.
+        """
         byte = position.byte
         try:
             file = self.path.open("rb")
@@ -237,14 +259,50 @@ class DebeziumFileSource:
             file.seek(position.byte - len(position.tail))
             if file.read(len(position.tail)) != position.tail:
                 raise SourceChanged(self._rewritten(position.byte))
+            crc32 = int(position.crc32, 16) if position.crc32 is not None else None
             for _ in range(max_lines):
                 if limit is not None and byte >= limit:
                     return
-                line = file.readline()
-                if not line.endswith(b"\n"):  # end of file, or a line still being written
+                line = self._read_line(file, byte, crc32, limit)
+                if line is None:  # end of file, or a line still being written
                     return
-                byte += len(line)
+                byte += line.size
+                crc32 = line.crc32_after
                 yield line
+
+    def _read_line(self, file, start: int, crc32: int | None, limit: int | None) -> _Line | None:
+        """The line at `start` (the file is positioned there), or None if it is not complete yet."""
+        cap = self.decoder.max_message_bytes + 2  # the longest line kept whole: the limit, plus \r\n
+        if limit is not None:
+            cap = min(cap, limit - start)
+        data = file.readline(cap)
+        size = len(data)
+        oversized = False
+        tail = data
+        if not data.endswith(b"\n") and size == cap and (limit is None or start + size < limit):
+            oversized = True  # over the limit: read on to its end, keeping its head and last bytes
+            running = zlib.crc32(data, crc32) if crc32 is not None else None
+            while True:
+                chunk = file.readline(_CHUNK_BYTES if limit is None else min(_CHUNK_BYTES, limit - start - size))
+                if not chunk:
+                    break
+                size += len(chunk)
+                running = zlib.crc32(chunk, running) if running is not None else None
+                tail = (tail + chunk)[-_TAIL_BYTES:]
+                if chunk.endswith(b"\n") or (limit is not None and start + size >= limit):
+                    break
+            data = data[:OVERSIZED_RAW_BYTES]
+            crc_after = running
+        else:
+            crc_after = zlib.crc32(data, crc32) if crc32 is not None else None
+        if not tail.endswith(b"\n"):
+            at_limit = limit is not None and start + size == limit
+            if not size or not (at_limit or (self.complete_file and file.read(1) == b"")):
+                return None
+            if not at_limit:
+                log.warning("%s: its last line (%s) has no trailing newline: read as a complete line, this run treats the "
+                            "file as complete", self.path, f"bytes {start:,} to {start + size:,}")
+        return _Line(data, start, size, crc_after, tail[-_TAIL_BYTES:], oversized)
 
     def _records(self, changes: list[tuple[int, DecodedChange]]) -> pa.Table:
         return change_records(self.primary_key, changes)
@@ -275,32 +333,47 @@ def require_file(path: str | Path) -> Path:
     return resolved
 
 
-def debezium_table_spec(path: str | Path, name: str, primary_key: tuple[str, ...]) -> TableSpec:
+def debezium_table_spec(path: str | Path, name: str, primary_key: tuple[str, ...], *, complete: bool = True) -> TableSpec:
     """The declaration of cdc.<name> from the first schema block of a Debezium file (key only if none yet).
 
     Read before anything is committed, so a key the file does not have, or any declaration
-    problem, is one clear error and nothing is created.
+    problem, is one clear error and nothing is created. A new table also needs a file that holds
+    Debezium messages: one of its first 1,000 lines must decode (SourceError otherwise, quoting the
+    first line's reason, e.g. for a README given by mistake), and an empty file is refused unless
+    the run waits for lines to come (`complete=False`: --follow).
     """
     file_path = require_file(path)
+    decoder = DebeziumJsonDecoder(name, primary_key, warn=False)
+    first_rejected: str | None = None
+    usable = False
     with file_path.open("rb") as file:
-        for _, raw in zip(range(_SCHEMA_PEEK_LINES), file):
+        lines = iter(lambda: file.readline(decoder.max_message_bytes + 2), b"")  # a longer line is cut: rejected
+        for number, raw in zip(range(1, _SCHEMA_PEEK_LINES + 1), lines):
             try:
-                document = json.loads(raw)
-            except ValueError:
-                continue
-            fields = image_fields(document.get("schema")) if isinstance(document, dict) else []
-            if fields:
-                columns = {f["field"]: connect_column(f).type for f in fields if isinstance(f.get("field"), str)}
+                usable = decoder.decode(raw.rstrip(b"\r\n")) is not None or usable
+            except RejectedMessage as reason:
+                first_rejected = first_rejected or f"line {number}: {reason}"
+            columns = decoder.column_types()  # from the first schema block decoded
+            if columns:
                 missing = [c for c in primary_key if c not in columns]
                 if missing:
                     raise SourceError(
                         f"primary-key column(s) {missing} are not in the Debezium schema of {file_path} "
                         f"(columns: {', '.join(columns)}); give --primary-key one of them"
                     )
-                spec = TableSpec(name, primary_key, columns)
-                spec.to_properties()  # every type must be declarable: fail here, not after a commit
-                return spec
-    return TableSpec(name, primary_key)
+                if usable:
+                    spec = TableSpec(name, primary_key, columns)
+                    spec.to_properties()  # every type must be declarable: fail here, not after a commit
+                    return spec
+    if first_rejected is not None and not usable:
+        raise SourceError(
+            f"{file_path} does not read as Debezium JSON lines: none of its first {_SCHEMA_PEEK_LINES:,} lines is a change "
+            f"event ({first_rejected}); nothing was created"
+        )
+    if not usable and complete:
+        raise SourceError(f"{file_path} holds no change event yet: nothing to ingest and nothing was created "
+                          "(cdc.<table> is created with the file's first change; --follow waits for it)")
+    return TableSpec(name, primary_key, decoder.column_types() or {})
 
 
 _TAIL_BYTES = 1024  # checked before every read: a rotated, truncated or rewritten file is seen at once
@@ -308,6 +381,22 @@ _TAIL_BYTES = 1024  # checked before every read: a rotated, truncated or rewritt
 
 def _crc_text(value: int) -> str:
     return f"{value:08x}"
+
+
+_CHUNK_BYTES = 1 << 20  # how a line over the size limit is read to its end
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A line as read: its bytes (of a line over the size limit, only the first OVERSIZED_RAW_BYTES), where it is,
+    and the crc32 of the file from its start through this line (None: an offset older than partfin's checksums)."""
+
+    data: bytes
+    start: int
+    size: int  # its length in the file, newline included
+    crc32_after: int | None
+    tail: bytes  # its last bytes (up to _TAIL_BYTES)
+    oversized: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,10 +409,15 @@ class _FilePosition:
     tail: bytes = b""  # the last bytes before `byte` (up to _TAIL_BYTES), as read
     tail_crc32: str | None = None  # their crc32, as an offset records it (the bytes themselves are not in it)
 
-    def after(self, lines: list[bytes]) -> _FilePosition:
-        data = b"".join(lines)
-        crc32 = _crc_text(zlib.crc32(data, int(self.crc32, 16))) if self.crc32 is not None else None
-        return _FilePosition(self.byte + len(data), self.line + len(lines), crc32, (self.tail + data)[-_TAIL_BYTES:])
+    def after(self, lines: list[_Line]) -> _FilePosition:
+        """The position after `lines`, read from this one (each carries the crc32 of the file through it)."""
+        if not lines:
+            return self
+        crc_after = lines[-1].crc32_after
+        crc32 = _crc_text(crc_after) if self.crc32 is not None and crc_after is not None else None
+        size = sum(line.size for line in lines)
+        tail = (self.tail + b"".join(line.tail for line in lines[-_TAIL_BYTES:]))[-_TAIL_BYTES:]
+        return _FilePosition(self.byte + size, self.line + len(lines), crc32, tail)
 
     def to_offset(self) -> str:
         fields: dict[str, Any] = {"byte": self.byte, "line": self.line}

@@ -12,6 +12,13 @@ takes the value's bytes (or text; None is Kafka's null value) and returns
 
 or raises `RejectedMessage` whose text is the reason (the caller keeps the raw value with it).
 
+Limits: one message never stops a stream. A value longer than `max_message_bytes`
+(PARTFIN_MAX_MESSAGE_BYTES, default 64 MiB) is rejected without being parsed; one nested deeper
+than MAX_NESTING_DEPTH is rejected before the parser could exhaust Python's recursion; a string
+that is no UTF-8 text (a lone surrogate escape such as `\\ud800`) is rejected before a library
+meets it; and any other exception while decoding one message rejects that message, naming the
+exception (a warning is logged the first time an exception type is met: it may be a partfin bug).
+
 JSON is parsed without going through float: JSON numbers with a fraction or exponent become
 `Decimal`, so decimals sent as numbers (`decimal.format=NUMERIC`) stay exact.
 
@@ -45,10 +52,12 @@ from datetime import date, datetime, timedelta
 from decimal import Context, Decimal, Inexact, InvalidOperation
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from partfin_assets.model.errors import PartfinError, SourceError
+from partfin_assets.model.errors import PartfinConfigError, PartfinError, SourceError, one_line
 from partfin_assets.model.records import UTC_US, VALID_OPS, implausible_event_time
+from partfin_assets.model.settings import Settings
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
 log = logging.getLogger(__name__)
@@ -65,6 +74,12 @@ _NON_FINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.in
 _FLOAT32_MAX = 3.4028234663852886e38
 _EXACT = Context(prec=1_000, traps=[Inexact, InvalidOperation])  # rescaling that would round raises
 _TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+# A Debezium envelope is under 10 levels deep (a struct column in the after-image in the payload);
+# Python's JSON parser and partfin's own recursive walks give out near 1,000 (RecursionError).
+MAX_NESTING_DEPTH = 64
+OVERSIZED_RAW_BYTES = 65_536  # of a message over the size limit, cdc.<table>__rejected keeps this much, as evidence
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 
 
 class RejectedMessage(PartfinError, ValueError):
@@ -491,11 +506,24 @@ class DebeziumJsonDecoder:
 
     `primary_key`: the key columns, read from the after-image (the before-image for deletes).
     `declared`: the table's typed columns, if it has a declaration; None while it has none.
+    `max_message_bytes`: the size limit (default PARTFIN_MAX_MESSAGE_BYTES). `warn=False`: a decoder
+    that only looks ahead (a new table's declaration) leaves the warnings to the one that reads.
     """
 
-    def __init__(self, table: str, primary_key: tuple[str, ...], declared: Mapping[str, pa.DataType] | None = None) -> None:
+    def __init__(
+        self,
+        table: str,
+        primary_key: tuple[str, ...],
+        declared: Mapping[str, pa.DataType] | None = None,
+        max_message_bytes: int | None = None,
+        *,
+        warn: bool = True,
+    ) -> None:
         if not primary_key:
             raise SourceError(f"table {table!r}: the Debezium decoder needs the primary-key column(s)")
+        self.max_message_bytes = max_message_bytes if max_message_bytes is not None else Settings.from_env().max_message_bytes
+        if self.max_message_bytes < 1:
+            raise PartfinConfigError(f"PARTFIN_MAX_MESSAGE_BYTES must be at least 1, got {self.max_message_bytes}")
         self.table = table
         self.primary_key = tuple(primary_key)
         self.declared = dict(declared) if declared else None
@@ -503,7 +531,9 @@ class DebeziumJsonDecoder:
         self._by_prefix: dict[bytes, _Columns] = {}  # the raw schema block before ',"payload":'
         self._discovered: dict[str, pa.DataType] = {}
         self._schemaless = _Columns({name: declared_column(t) for name, t in (self.declared or {}).items()})
+        self._warn_enabled = warn
         self._warned: set[str] = set()
+        self._unexpected: set[type] = set()  # exception types already logged as a possible partfin bug
         self._loads = json.JSONDecoder(parse_float=Decimal).decode
 
     def column_types(self) -> dict[str, pa.DataType] | None:
@@ -516,6 +546,22 @@ class DebeziumJsonDecoder:
         if value is None:
             return None  # Kafka's null value: a tombstone
         raw = value.encode("utf-8") if isinstance(value, str) else value
+        if len(raw) > self.max_message_bytes:
+            raise RejectedMessage(oversized(len(raw), self.max_message_bytes))
+        try:
+            return self._decode(raw)
+        except RejectedMessage:
+            raise
+        except RecursionError:  # nesting the depth check let through (a walk deeper than the parser's)
+            raise RejectedMessage(f"nested deeper than Python can decode (limit {MAX_NESTING_DEPTH} levels)") from None
+        except Exception as exc:  # whatever one message does to a library, the stream goes on without it
+            if type(exc) not in self._unexpected and self._warn_enabled:
+                self._unexpected.add(type(exc))
+                log.warning("cdc.%s: a message could not be decoded (%s); it is rejected. If the message is valid, "
+                            "this is a partfin bug: please report it", self.table, one_line(exc), exc_info=True)
+            raise RejectedMessage(f"cannot be decoded: {one_line(exc)}") from None
+
+    def _decode(self, raw: bytes) -> DecodedChange | DecodedHeartbeat | None:
         if not raw.strip():
             return None  # an empty value, or a blank line
         # Every message of a topic repeats the same schema block: once it is known, only the
@@ -524,6 +570,7 @@ class DebeziumJsonDecoder:
         known = self._by_prefix.get(raw[:cut]) if cut > 0 else None
         if known is not None:
             body = raw[cut + len(_PAYLOAD_MARK) :].rstrip()
+            _check_depth(body)
             if body.endswith(b"}"):
                 try:
                     return self._wrapped(known, self._loads(body[:-1].decode("utf-8")))
@@ -541,6 +588,7 @@ class DebeziumJsonDecoder:
         return self._change(document, self._schemaless)
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
+        _check_depth(raw)
         try:
             document = self._loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
@@ -622,18 +670,47 @@ class DebeziumJsonDecoder:
         missing = [name for name in self.primary_key if normalized.get(name) is None]
         if missing:
             raise RejectedMessage(f"missing key column(s) {', '.join(map(repr, missing))} in {image_name!r}")
+        key_values = {name: normalized[name] for name in self.primary_key}
+        payload = None if op == "d" else json.dumps(normalized, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        for text in (payload, *key_values.values()):
+            if isinstance(text, str):
+                _require_utf8(text, image_name)
         return DecodedChange(
             op=op,
-            key_values={name: normalized[name] for name in self.primary_key},
+            key_values=key_values,
             event_time_us=event_time_us,
             arrival_us=_arrival_us(envelope.get("ts_ms")),
-            payload=None if op == "d" else json.dumps(normalized, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
+            payload=payload,
         )
 
     def _warn(self, column: str, what: str) -> None:
-        if column not in self._warned:
+        if column not in self._warned and self._warn_enabled:
             self._warned.add(column)
             log.warning("cdc.%s: column %r: %s", self.table, column, what)
+
+
+def oversized(size: int, limit: int) -> str:
+    """The reason a message over the size limit is rejected."""
+    return f"{size:,} bytes, over the limit of {limit:,} (PARTFIN_MAX_MESSAGE_BYTES): not parsed"
+
+
+def _check_depth(raw: bytes) -> None:
+    """RejectedMessage if the JSON text nests deeper than MAX_NESTING_DEPTH (brackets inside strings do not count)."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_NESTING_DEPTH:
+        return  # too few brackets to be that deep: the common case, without a scan
+    brackets = np.frombuffer(_NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw)), np.uint8)
+    depth = np.cumsum(np.where((brackets == ord("{")) | (brackets == ord("[")), 1, -1))
+    deepest = int(depth.max()) if depth.size else 0
+    if deepest > MAX_NESTING_DEPTH:
+        raise RejectedMessage(f"nested deeper than {MAX_NESTING_DEPTH} levels ({deepest:,}): not parsed")
+
+
+def _require_utf8(text: str, image_name: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end].encode("unicode_escape").decode("ascii")
+        raise RejectedMessage(f"{image_name!r} holds text that is not UTF-8 ({bad}, a lone surrogate escape)") from None
 
 
 def _then(first: Normalize, second: Normalize) -> Normalize:

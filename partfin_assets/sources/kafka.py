@@ -40,8 +40,9 @@ Debezium decoder (sources/debezium_json.py), with or without the schema envelope
 is the message's offset in its partition; `arrival_time` is Debezium's envelope `ts_ms`, else the
 message's Kafka timestamp. Tombstones (null values) carry no change and are
 consumed; Debezium heartbeat messages become heartbeat batches of their partition. A message
-that is not a change event (not JSON, no `ts_ms`, an unknown `op`, ...) goes to
-`cdc.<table>__rejected` with its topic, partition and offset, and reading goes on.
+that is not a change event (not JSON, no `ts_ms`, an unknown `op`, nested too deep, over
+PARTFIN_MAX_MESSAGE_BYTES, anything the decoder fails on) goes to `cdc.<table>__rejected` with its
+topic, partition and offset, and reading goes on in every partition.
 
 With follow=False the source reads every assigned partition up to its end as it was when
 reached, then ends; with follow=True it never ends.
@@ -68,7 +69,7 @@ from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us, parse_duration
 from partfin_assets.sources.debezium import change_records
-from partfin_assets.sources.debezium_json import DebeziumJsonDecoder, DecodedChange, DecodedHeartbeat, RejectedMessage
+from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJsonDecoder, DecodedChange, DecodedHeartbeat, RejectedMessage
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +375,8 @@ class KafkaSource:
         try:
             decoded = self.decoder.decode(value)
         except RejectedMessage as reason:
-            raw = value.decode("utf-8", errors="replace") if value is not None else ""
+            kept = value[:OVERSIZED_RAW_BYTES] if len(value) > self.decoder.max_message_bytes else value  # its head, as evidence
+            raw = kept.decode("utf-8", errors="replace")
             pending.rejected.append((offset, raw, str(reason)))
             pending.next_offset = offset + 1
             return

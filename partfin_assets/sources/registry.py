@@ -74,9 +74,14 @@ def source_kind(spec_text: str) -> str:
 
 
 def make_source(
-    spec_text: str, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, **options: Any
+    spec_text: str, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False, **options: Any
 ) -> CdcSource:
-    """The source described by spec_text for `table`; keyword options override those in the text."""
+    """The source described by spec_text for `table`; keyword options override those in the text.
+
+    `complete`: what the source holds now is complete (`partfin ingest` without --follow): a Debezium
+    file's last line is read even without its trailing newline. Otherwise such a line is taken as
+    still being written and read once its newline is there.
+    """
     kind = source_kind(spec_text)
     argument = spec_text.strip().partition(":")[2]
     key_columns = _key_columns(primary_key)
@@ -87,7 +92,7 @@ def make_source(
         return _postgres_source(argument, spec_text, table.name, key_columns or table.primary_key, options)
     if kind == "kafka":
         return KafkaSource(parse_kafka_spec(argument, spec_text), table, key_columns, **options)
-    return DebeziumFileSource(_debezium_path(argument, spec_text), primary_key=key_columns, spec=table, **options)
+    return DebeziumFileSource(_debezium_path(argument, spec_text), primary_key=key_columns, spec=table, complete_file=complete, **options)
 
 
 def _debezium_path(argument: str, spec_text: str) -> str:
@@ -96,11 +101,14 @@ def _debezium_path(argument: str, spec_text: str) -> str:
     return argument
 
 
-def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None) -> TableSpec:
+def source_table_spec(
+    spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False
+) -> TableSpec:
     """The declaration of a new cdc.<table_name> read from the source itself, before anything is committed.
 
     postgres: key and column types of the database table. debezium: the column types of the file's
-    first schema block (the key must be given). synthetic: the orders table.
+    first schema block (the key must be given; with `complete`, as in make_source, a file without any
+    change event is refused). synthetic: the orders table.
     """
     kind = source_kind(spec_text)
     if kind == "synthetic":
@@ -113,9 +121,10 @@ def source_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[
         if not key_columns:
             raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
         return TableSpec(table_name, key_columns)
+    path = _debezium_path(spec_text.strip().partition(":")[2], spec_text)
     if not key_columns:
         raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
-    return debezium_table_spec(_debezium_path(spec_text.strip().partition(":")[2], spec_text), table_name, key_columns)
+    return debezium_table_spec(path, table_name, key_columns, complete=complete)
 
 
 def open_history(identity: SourceIdentity, table: TableSpec) -> ReplayableSource:
