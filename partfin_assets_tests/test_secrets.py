@@ -294,7 +294,6 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23 §3: pieces of libpq's forms of a password show; no hint where passwords belong")
 @pytest.mark.parametrize("form, suffix", ERROR_CASES, ids=[f"{form}-{suffix}" for form, suffix in ERROR_CASES])
 def test_unreachable_source_errors_never_show_a_password_in_any_libpq_form(tmp_path, form, suffix):
     result = partfin(tmp_path, "-v", "ingest", "--table", "orders", "--source", f"postgres:{form_dsn(form)}{ERROR_SUFFIXES[suffix]}", timeout=120)
@@ -309,12 +308,7 @@ def test_unreachable_source_errors_never_show_a_password_in_any_libpq_form(tmp_p
     assert not (tmp_path / "catalog.db").exists() or "cdc.orders" not in (tmp_path / "catalog.db").read_bytes().decode(errors="replace")
 
 
-CUT_BEFORE_LIBPQ = pytest.mark.xfail(strict=True, reason="issue 23 §3: the spec was cut at a '#' inside sslpassword")
-
-
-@pytest.mark.parametrize(
-    "form", [pytest.param(f, marks=CUT_BEFORE_LIBPQ) if f in ("sslpassword-hash", "uri-query-sslpassword-hash") else f for f in ALL_FORMS]
-)
+@pytest.mark.parametrize("form", list(ALL_FORMS))
 def test_fragment_after_a_password_in_any_libpq_form_is_split_where_libpq_ends_the_password(form):
     from partfin_assets.sources.postgres import parse_postgres_spec
 
@@ -341,7 +335,6 @@ def every_file_text(root) -> str:
     return "\n".join(p.read_bytes().decode("latin-1") for p in sorted(root.rglob("*")) if p.is_file())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23 §3: the source identity in every checkpoint keeps libpq's forms of a password")
 def test_checkpoint_summaries_table_properties_and_status_never_show_a_password_in_any_libpq_form(tmp_path, postgres):
     database = "secrets_cli"
     postgres.create_database(database)
