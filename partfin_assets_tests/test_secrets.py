@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,89 @@ def test_checkpoint_summaries_table_properties_and_status_never_show_a_password_
     assert not shown_pieces(text), f"{shown_pieces(text)} shown by the CLI"
     for form, (code, last) in refused.items():
         assert code == 2 and last.startswith("partfin: error: ") and "%40" in last, (form, last)
+
+
+DAGSTER_RUN = """
+import os
+import psycopg
+from dagster import DagsterInstance
+from dagster._serdes import serialize_value
+from partfin_assets.definitions import defs
+
+with psycopg.connect(os.environ["INSERT_DSN"], autocommit=True) as conn:
+    start = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM orders").fetchone()[0]
+    for i in range(start, start + 10):
+        conn.execute("INSERT INTO orders VALUES (%s, 1, 2.5, 'paid')", (i,))
+instance = DagsterInstance.get()
+result = defs.get_job_def("sync_orders").execute_in_process(instance=instance, raise_on_error=False)
+print("RUN", result.success, result.run_id)
+for record in instance.all_logs(result.run_id):
+    print(serialize_value(record))
+print(serialize_value(instance.get_run_by_id(result.run_id)))
+"""
+
+RUNS_QUERY = """
+{ runsOrError { ... on Runs { results { runId status runConfigYaml tags { key value } } } } }
+"""
+
+RUN_LOGS_QUERY = """
+query ($runId: ID!) {
+  logsForRun(runId: $runId) {
+    __typename
+    ... on EventConnection { events {
+      __typename
+      ... on MessageEvent { message level }
+      ... on DisplayableEvent { label description metadataEntries { label description
+        ... on TextMetadataEntry { text } ... on JsonMetadataEntry { jsonString } ... on PathMetadataEntry { path }
+        ... on MarkdownMetadataEntry { mdStr } ... on UrlMetadataEntry { url } } }
+      ... on ExecutionStepFailureEvent { error { message stack } }
+      ... on RunFailureEvent { pipelineFailureError: error { message stack } }
+    } }
+    ... on PythonError { message }
+  }
+}
+"""
+
+
+# one run per form is minutes on a busy machine; these take every path a run can (a reachable source whose identity is
+# recorded, a refused one whose failure is in the event log) with the forms of the most pieces
+DAGSTER_FORMS = ["sslpassword-hash", "quoted-space-backslash", "uri-query-encoded-name", "uri-userinfo-at-hash"]
+
+
+@pytest.mark.timeout(1800)
+def test_dagster_event_log_and_webserver_never_show_a_password_in_any_libpq_form(tmp_path, postgres):
+    """Sync runs read the source in each form (PARTFIN_SOURCE); their event logs, and what a real webserver answers
+    about them (runs, their logs, the asset nodes), show no piece of any password."""
+    import psycopg
+
+    database = "secrets_dagster"
+    postgres.create_database(database)
+    with psycopg.connect(postgres.dsn(database), autocommit=True) as conn:
+        conn.execute(ORDERS_DDL)
+    sources = [f"postgres:{form_dsn(f, postgres.host, postgres.port, postgres.user, database)}#orders,heartbeat_settle=0s" for f in DAGSTER_FORMS]
+    # hourly partitions from two hours ago: a first run reports every hour since the partitions' start
+    recent = (datetime.now(timezone.utc) - timedelta(hours=2)).strftime("%Y-%m-%d-%H:00")
+    # one process per form: the code location reads PARTFIN_SOURCE when it loads
+    runs = [dagster_subprocess(tmp_path, DAGSTER_RUN, {
+        "PARTFIN_SOURCE": source, "INSERT_DSN": postgres.dsn(database), "PARTFIN_MAX_SECONDS_PER_RUN": "20",
+        "PARTFIN_PARTITIONS_START": recent}) for source in sources]
+    event_log = "\n".join(run.stdout + run.stderr for run in runs)
+    outcomes = [line.split()[1] for run in runs for line in run.stdout.splitlines() if line.startswith("RUN ")]
+    print(f"\nruns: {outcomes}")
+    assert all(run.returncode == 0 for run in runs), event_log[-3000:]
+    assert outcomes == [str(form not in AMBIGUOUS_FORMS) for form in DAGSTER_FORMS], event_log[-3000:]
+    assert not shown_pieces(event_log), f"{shown_pieces(event_log)} in the event log: " + next(
+        line for line in event_log.splitlines() if shown_pieces(line))[:500]
+    assert not shown_pieces(every_file_text(tmp_path / "home")), "a piece of a password is stored in the warehouse or catalog"
+
+    with running_webserver(tmp_path, {"PARTFIN_SOURCE": sources[0], "PARTFIN_PARTITIONS_START": recent}) as (workspace, graphql, log):
+        answers = [workspace, graphql(RUNS_QUERY)]
+        run_ids = [run["runId"] for run in json.loads(answers[-1])["data"]["runsOrError"]["results"]]
+        answers += [graphql(RUN_LOGS_QUERY, runId=run_id) for run_id in run_ids]
+        answers.append(graphql(RESOURCES_QUERY))
+    answers.append(log.read_text(errors="replace"))
+    text = "\n".join(answers)
+    print(f"webserver: {len(run_ids)} runs, {len(text):,} chars answered")
+    assert len(run_ids) == len(DAGSTER_FORMS)
+    assert "MaterializationEvent" in text or "ObservationEvent" in text or "AssetMaterialization" in text
+    assert not shown_pieces(text), f"{shown_pieces(text)} in the webserver's answers"
