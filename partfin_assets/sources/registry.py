@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from partfin_assets.model import conninfo
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.records import CdcSource, ReplayableSource
@@ -149,16 +150,17 @@ def _postgres_source(
 ) -> CdcSource:
     dsn, source_table, text_options = parse_postgres_spec(argument, table_name)
     if not dsn:
-        raise SourceError(f"source {redact(spec_text)!r}: postgres needs a DSN, e.g. postgres:host=db dbname=shop user=cdc")
+        raise SourceError("a postgres source needs a DSN, e.g. postgres:service=shop or postgres:host=db dbname=shop user=cdc")
+    shown = f"postgres:{conninfo.display(dsn)}#{source_table}"  # never the text as written: libpq's reading, secrets masked
     parsed: dict[str, Any] = {}
     for name, value in text_options.items():
         parse = _POSTGRES_OPTIONS.get(name)
         if parse is None:
-            raise SourceError(f"source {redact(spec_text)!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
+            raise SourceError(f"source {shown!r}: unknown postgres option {name!r}; known: {', '.join(_POSTGRES_OPTIONS)}")
         try:
             parsed[name] = parse(value)
         except ValueError as exc:
-            raise SourceError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
+            raise SourceError(f"source {shown!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return PostgresSource(dsn, source_table, primary_key=key_columns, **{**parsed, **options})
 
 

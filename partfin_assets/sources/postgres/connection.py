@@ -1,14 +1,16 @@
 """Sessions on the source database, and the one error class of the PostgreSQL source.
 
 Every session runs in UTC with ISO dates, so the text wal2json and the catalog queries return
-is read one way. A connection that fails is one line with the DSN's password masked (libpq may
-echo a token of the DSN in its message: masked by value too).
+is read one way. A connection that fails is one line showing the DSN as libpq read it, secrets
+masked (model/conninfo.py; libpq may echo a token of the DSN in its message: masked by value too),
+and, when the DSN carries a password itself, where passwords belong instead.
 """
 
 from __future__ import annotations
 
 import psycopg
 
+from partfin_assets.model import conninfo
 from partfin_assets.model.errors import SourceError, first_line
 from partfin_assets.model.redaction import redact
 
@@ -26,7 +28,9 @@ def connect(dsn: str, autocommit: bool) -> psycopg.Connection:
     try:
         conn = psycopg.connect(dsn, autocommit=autocommit)
     except psycopg.Error as exc:
-        raise PostgresSourceError(f"cannot connect to PostgreSQL ({redact(dsn)}): {redact(quote_error(exc), dsn)}") from None
+        raise PostgresSourceError(
+            f"cannot connect to PostgreSQL ({conninfo.display(dsn)}): {redact(quote_error(exc), dsn)}{conninfo.inline_secret_hint(dsn)}"
+        ) from None
     conn.execute("SET TimeZone = 'UTC'")
     conn.execute("SET DateStyle = 'ISO, YMD'")
     conn.execute("SET IntervalStyle = 'iso_8601'")

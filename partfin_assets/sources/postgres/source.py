@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
-from partfin_assets.model.redaction import redact
+from partfin_assets.model import conninfo
 from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, type_to_text
 from partfin_assets.sources.postgres.connection import PostgresSourceError, connect
@@ -62,6 +62,7 @@ class PostgresSource:
     ) -> None:
         schema, dot, name = table.rpartition(".")
         self.dsn = dsn
+        self.shown_dsn = conninfo.display(dsn)  # read by libpq now: an unreadable DSN fails here, in one line
         self.schema = schema if dot else "public"
         self.table = name
         self._slot = ReplicationSlot(
@@ -91,7 +92,7 @@ class PostgresSource:
             table = f"{self.schema}.{self.table}"
             self._identity = SourceIdentity(
                 self.kind,
-                f"postgres:{redact(self.dsn)}#{table},slot={self.slot}",
+                f"postgres:{self.shown_dsn}#{table},slot={self.slot}",
                 {"system_identifier": system, "database": database, "table": table, "slot": self.slot},
                 cannot_replay=f"replication slot {self.slot} holds only the changes not ingested yet, not the past ones",
             )
