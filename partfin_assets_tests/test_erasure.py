@@ -97,7 +97,7 @@ def test_the_quarantine_filters_a_request_registered_after_its_rows_were_read(ca
         "key": ['{"id":42}', '{"id":5}'], "op": ["u", "u"],
         "event_time": pa.array([T0_US, T0_US], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
         "source_seq": pa.array([1, 2], pa.int64()), "payload": ['{"id":42,"amount":"x"}', '{"id":5,"amount":"y"}'],
-        "column": ["amount", "amount"], "reason": ["not a double", "not a double"],
+        "column": ["amount", "amount"], "reason": ["not a double", "not a double"], "source_log": ["orders-writer"] * 2,
     })
     assert quarantine_changes(catalog, spec, unfit, 1, stale) == 1
     assert catalog.load_table(spec.quarantine_identifier).scan().to_arrow().column("key").to_pylist() == ['{"id":5}']
