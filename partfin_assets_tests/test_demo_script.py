@@ -118,7 +118,7 @@ def test_demo_started_in_background_stops_on_signal(tmp_path, stop_signal):
                 os.kill(p, signal.SIGKILL)
 
 
-# --------------------------------------------------------------------------- stopping with a run in flight (issue 22 §9)
+# --------------------------------------------------------------------------- stopping with a run in flight
 
 STOP_SOURCE = "synthetic:seed=9,rate=20,start=2026-11-01T00:00:00Z,end=2026-11-01T02:00:00Z,key_space=100000"
 UNFINISHED = ("STARTING", "STARTED", "CANCELING", "NOT_STARTED")

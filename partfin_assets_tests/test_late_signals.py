@@ -1,4 +1,4 @@
-"""Late-data signals that never miss (issue 22 §4): every late record leads to exactly one amendment of its hour, or
+"""Late-data signals that never miss: every late record leads to exactly one amendment of its hour, or
 is covered by an acknowledgement that names it, whatever the order in which the ledger, base and the sensor see it.
 
 The writer records its checkpoints in the late-data ledger a few at a time, after its CDC commits; a writer

@@ -1,4 +1,4 @@
-"""One bad message never stops a table (issue 22 §2), as `partfin ingest` meets it.
+"""One bad message never stops a table, as `partfin ingest` meets it.
 
 Whatever a single message does to the decoder (nesting deep enough to exhaust Python's recursion,
 a line over the size limit, a value a library chokes on), it goes to `cdc.<t>__rejected` with its

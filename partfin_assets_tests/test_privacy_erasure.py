@@ -1,4 +1,4 @@
-"""Erasure that holds (issue 23 §1, §2), as an operator meets it: `partfin ingest` / `partfin upsert` and the
+"""Erasure that holds, as an operator meets it: `partfin ingest` / `partfin upsert` and the
 Dagster job `privacy_delete_orders` (`dagster job execute`), a replay as `dagster asset materialize`, each a
 real process on one PARTFIN_HOME.
 

@@ -1,4 +1,4 @@
-"""A privacy delete racing an upsert in flight (issue 23 §2): every interleaving of the delete's steps with the
+"""A privacy delete racing an upsert in flight: every interleaving of the delete's steps with the
 upsert's read and its commit.
 
 The upsert is a real `partfin upsert` process stopped at its fault points (`PARTFIN_PAUSE_AT`): after its read

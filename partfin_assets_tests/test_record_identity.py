@@ -1,4 +1,4 @@
-"""A record's identity is its change log and its position in that log (issue 22 §1).
+"""A record's identity is its change log and its position in that log.
 
 Two Debezium files ingested under two writer ids (the table's own writer and `backfill-1`, as the
 README recommends for a second source) both change hour 00; their line numbers, the records'

@@ -1,4 +1,4 @@
-"""Every refusal is one line and a refused command creates nothing (issue 22 §7, §8), as `partfin` users meet it.
+"""Every refusal is one line and a refused command creates nothing, as `partfin` users meet it.
 
 - names partfin's companion tables use (`t__ledger`, `t__rejected`) and names that are no identifier (`a.b`);
 - a table whose current metadata file is missing: one line naming the file, every other table works on;

@@ -245,7 +245,7 @@ def test_a_hash_inside_a_password_belongs_to_the_password(argument, dsn, table, 
     assert parse_postgres_spec(argument, "orders") == (dsn, table, options)
 
 
-# --------------------------------------------------------------------------- every form libpq takes a password in (issue 23 §3)
+# --------------------------------------------------------------------------- every form libpq takes a password in
 #
 # One distinct password per form, each in pieces around its special characters: whichever piece shows,
 # the test names the form. The forms point at a real PostgreSQL (trust authentication: libpq sends no

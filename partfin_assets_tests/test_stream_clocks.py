@@ -1,10 +1,10 @@
 """Which clock judges a progress stream, and which streams hold the watermark (docs/clocks-and-streams.md).
 
-Issue 22 §3: two writers on one table, one host's clock ahead (libfaketime on one of two real
+Two writers on one table, one host's clock ahead (libfaketime on one of two real
 `partfin ingest` processes): the watermark waits for the other, active writer whatever the clocks
 say, and the disagreement is reported (`partfin status`, the `writer_clocks` check).
 
-Issue 29 §1: one-checkpoint `partfin ingest --source kafka:...` runs on a topic with a partition that
+One-checkpoint `partfin ingest --source kafka:...` runs on a topic with a partition that
 delivers nothing: each run moves the watermark exactly as far as the partitions' progress allows.
 """
 
