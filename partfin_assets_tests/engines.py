@@ -79,3 +79,13 @@ def chdb_read(table: Table, snapshot_id: int | None = None) -> pa.Table:
 
 
 ENGINES = {"duckdb": duckdb_read, "chdb": chdb_read}
+
+
+def duckdb_read_tag(table: Table, tag: str) -> pa.Table:
+    """A tag read as a DuckDB user reads it (docs/consumers.md): its snapshot id from the `refs` of the table's
+    metadata file, then the table as of that snapshot."""
+    con = duckdb_connection()
+    metadata = local_path(table.metadata_location)
+    con.execute(f"""SET VARIABLE tag_snapshot = (SELECT json_extract(content, '$.refs."{tag}"."snapshot-id"')::BIGINT
+                    FROM read_text('{metadata}'))""")
+    return con.execute(f"SELECT * FROM iceberg_scan('{metadata}', snapshot_from_id => getvariable('tag_snapshot'))").to_arrow_table()

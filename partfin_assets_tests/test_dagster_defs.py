@@ -288,3 +288,34 @@ def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monk
     by_name = {e.check_name: e for e in cleared.get_asset_check_evaluations()}
     assert by_name["late_data"].passed and by_name["late_data_after_run"].passed
     assert by_name["late_data"].metadata["late_records"].value == sticky.metadata["late_records"].value  # totals stay
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24 §3: finalization is a Dagster event only; no engine outside Dagster sees it")
+def test_each_finalized_hour_is_an_iceberg_tag_other_engines_read(synced):
+    """Each hour the sensor finalizes gets a tag `finalized-<hour>` on base.orders at the snapshot its event names,
+    with a retention (max-ref-age); DuckDB finds it in the table's metadata and reads the hour as it was final."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.tables import read_base
+    from partfin_assets_tests.engines import duckdb_read_tag, plain_rows
+
+    defs, instance, table = synced
+    first = _finalize(defs, instance)
+    catalog = load_partfin_catalog()
+    base = catalog.load_table("base.orders")
+    events = {e.dagster_event.partition: e.asset_materialization.metadata for e in _materializations(instance, FINALIZED)}
+    tags = {name: ref for name, ref in base.metadata.refs.items() if name.startswith("finalized-")}
+    expected = {"finalized-" + key.replace(":00", ""): meta["base_snapshot_id"].value for key, meta in events.items()}
+    assert len(expected) == len(first.run_requests) > 0
+    assert {name: ref.snapshot_id for name, ref in tags.items()} == expected
+    assert all(ref.snapshot_ref_type == "tag" and ref.max_ref_age_ms == 7 * 24 * 3600 * 1000 for ref in tags.values())
+    assert not _tick(defs, instance).asset_events  # a repeated tick (cursor lost) tags nothing twice
+    assert set(catalog.load_table("base.orders").metadata.refs) == set(base.metadata.refs)
+
+    newest = max(tags)
+    from_duckdb = duckdb_read_tag(base, newest)
+    expected_rows = read_base(catalog, "orders", include_deleted=True, snapshot_id=tags[newest].snapshot_id)
+    assert plain_rows(from_duckdb, expected_rows.column_names) == plain_rows(expected_rows)
+    from partfin_assets.finalization.status import all_table_status
+
+    status = {s.name: s for s in all_table_status(catalog)}["base.orders"]
+    assert status.finalized_tags == len(expected) and status.newest_finalized_tag == newest
