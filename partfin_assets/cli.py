@@ -265,6 +265,11 @@ def _status(args: argparse.Namespace) -> int:
         if s.rebucket:
             print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
                   f"`{s.rebucket}`, then compact")
+    for s in statuses:
+        if s.finalized_tags:
+            print(f"{s.name}: {s.finalized_tags} finalized hour(s) tagged, {s.oldest_finalized_tag} .. {s.newest_finalized_tag} "
+                  f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
+                  f"'{s.newest_finalized_tag}' (docs/consumers.md)")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")

@@ -13,7 +13,6 @@ from partfin_assets.model.timeutil import to_us
 from partfin_assets_tests.test_upsert import T0, Harness
 
 HOUR = to_us(T0)
-XFAIL = pytest.mark.xfail(strict=True, reason="issue 24 §3: no finalization tags yet")
 
 
 def refs(h: Harness) -> dict[str, int]:
@@ -26,7 +25,6 @@ def upserted(h: Harness, changes) -> int:
     return h.base().current_snapshot().snapshot_id
 
 
-@XFAIL
 def test_a_finalization_and_each_amendment_get_a_tag_once(tmp_path):
     from partfin_assets.finalization.tags import Finalization, tag_finalizations
 
@@ -44,7 +42,6 @@ def test_a_finalization_and_each_amendment_get_a_tag_once(tmp_path):
                        "finalized-2024-05-01-10-amend-2": later, "finalized-2024-05-01-11": later}
 
 
-@XFAIL
 def test_expiry_keeps_what_tags_hold_until_their_max_age(tmp_path):
     from partfin_assets.finalization.tags import Finalization, tag_finalizations
 
@@ -62,7 +59,6 @@ def test_expiry_keeps_what_tags_hold_until_their_max_age(tmp_path):
     assert refs(h) == {} and h.base().metadata.snapshot_by_id(tagged) is None
 
 
-@XFAIL
 def test_a_privacy_delete_drops_the_tags_that_hold_an_erased_key(tmp_path):
     from partfin_assets.finalization.tags import Finalization, tag_finalizations
 

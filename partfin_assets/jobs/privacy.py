@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import And, BooleanExpression, In
 
+from partfin_assets.finalization.tags import release_erased_tags
 from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.files import read_files
 from partfin_assets.iceberg.position_deletes import positions_by_file, read_positions
@@ -217,4 +218,5 @@ def privacy_delete(
     if catalog.table_exists(spec.base_identifier):
         prune, mask = base_key_filter(spec, keys)
         base_results = _until_gone(catalog, spec.base_identifier, prune, mask, request_id, max_rounds, before_commit)
+        release_erased_tags(catalog, spec.base_identifier, prune, mask)  # a tag would keep erased rows readable
     return PrivacyDeleteResult(name, request_id, cdc_results, base_results)
