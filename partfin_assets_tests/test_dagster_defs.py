@@ -322,3 +322,4 @@ def test_each_finalized_hour_is_an_iceberg_tag_other_engines_read(synced):
 
     status = {s.name: s for s in all_table_status(catalog)}["base.orders"]
     assert status.finalized_tags == len(expected) and status.newest_finalized_tag == newest
+    assert status.metadata_location == catalog.load_table("base.orders").metadata_location  # what DuckDB reads

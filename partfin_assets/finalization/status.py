@@ -47,6 +47,7 @@ class TableStatus:
     finalized_tags: int | None = None
     oldest_finalized_tag: str | None = None
     newest_finalized_tag: str | None = None
+    metadata_location: str | None = None  # the current metadata file: what DuckDB's iceberg_scan or ClickHouse read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +91,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         finalized_tags=len(tags) if not is_cdc else None,
         oldest_finalized_tag=tags[0].name if tags else None,
         newest_finalized_tag=tags[-1].name if tags else None,
+        metadata_location=table.metadata_location,
     )
 
 
