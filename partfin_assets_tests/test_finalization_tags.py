@@ -3,13 +3,12 @@ max-ref-age by snapshot expiry, and dropped by a privacy delete when they hold a
 
 from __future__ import annotations
 
-import pytest
-
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.tables import read_base
 from partfin_assets.jobs.privacy import privacy_delete
 from partfin_assets.model.stats import CommitWindow
 from partfin_assets.model.timeutil import to_us
+from partfin_assets_tests.scenario_helpers import partfin
 from partfin_assets_tests.test_upsert import T0, Harness
 
 HOUR = to_us(T0)
@@ -40,6 +39,10 @@ def test_a_finalization_and_each_amendment_get_a_tag_once(tmp_path):
         "finalized-2024-05-01-10-amend-2", "finalized-2024-05-01-11"]
     assert refs(h) == {"finalized-2024-05-01-10": first, "finalized-2024-05-01-10-amend-1": late,
                        "finalized-2024-05-01-10-amend-2": later, "finalized-2024-05-01-11": later}
+    shown = partfin(tmp_path, "status")  # how a user finds them
+    assert shown.returncode == 0, shown.stderr
+    assert ("base.orders: 4 finalized hour(s) tagged, finalized-2024-05-01-10 .. finalized-2024-05-01-11" in shown.stdout
+            and "FOR VERSION AS OF 'finalized-2024-05-01-11'" in shown.stdout)
 
 
 def test_expiry_keeps_what_tags_hold_until_their_max_age(tmp_path):
