@@ -451,6 +451,10 @@ def _status(args: argparse.Namespace) -> int:
     for s in statuses:
         for clock in s.clocks or []:
             print(f"{s.name}: {clock['description']}")
+        if s.finalized_tags:
+            print(f"{s.name}: {s.finalized_tags} finalized hour(s) tagged, {s.oldest_finalized_tag} .. {s.newest_finalized_tag} "
+                  f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
+                  f"'{s.newest_finalized_tag}' (see docs/consumers.md)")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")

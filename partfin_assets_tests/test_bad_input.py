@@ -22,6 +22,7 @@ import pytest
 from partfin_assets.defs import build_definitions
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
@@ -112,7 +113,7 @@ DOUBLES = {1: "NaN", 2: "Infinity", 3: "-Infinity", 4: 1.5}  # how JsonConverter
 def base_values(home: Path, table: str, column: str) -> dict:
     data = table_rows(home, f"base.{table}")
     assert data is not None, f"base.{table} was not created"
-    data = data.filter(pc.invert(data.column("_deleted")))
+    data = data.filter(pc.invert(data.column(DELETED)))
     assert column in data.column_names, f"column {column!r} missing from base.{table}: {data.column_names}"
     return dict(zip(data.column("id").to_pylist(), data.column(column).to_pylist()))
 
@@ -227,7 +228,7 @@ def test_undecodable_payload_is_quarantined_once_and_the_table_merges_on(tmp_pat
     )
     assert crashed.returncode != 0
     assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
-    live = {r["id"]: r["amount"] for r in base.to_pylist() if not r["_deleted"]}
+    live = {r["id"]: r["amount"] for r in base.to_pylist() if not r[DELETED]}
     assert live == {1: 1.5, 2: 99.0, 3: 4.5, 4: 6.0, 5: 7.5, 6: 9.0, 7: 7.5}  # key 7's later change merged normally
     assert quarantine.num_rows == 1  # exactly once, across the crash and the later run
     (row,) = quarantine.to_pylist()

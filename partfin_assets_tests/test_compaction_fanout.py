@@ -19,7 +19,7 @@ from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.files import data_files, position_delete_files
 from partfin_assets.iceberg.history import summary_of
-from partfin_assets.iceberg.tables import ensure_base_table, read_base
+from partfin_assets.iceberg.tables import DELETED, ensure_base_table, read_base
 from partfin_assets.jobs.rebucket import rebucket
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
@@ -72,7 +72,7 @@ def test_fanned_out_compaction_folds_every_bucket_in_one_commit(tmp_path: Path, 
     assert read_base(h.catalog, "orders", include_deleted=True).sort_by("id") == before_rows
     assert h.live() == reference(changes)
     assert plain_pyiceberg_rows(tmp_path / "partfin") == sorted(
-        [r["id"], r["amount"], r["_source_seq"], r["_deleted"]] for r in before_rows.to_pylist()
+        [r["id"], r["amount"], r["_source_seq"], r[DELETED]] for r in before_rows.to_pylist()
     )
 
     ok, steps = run_compaction(instance, tmp_path / "partfin", max_groups=2)  # nothing left: no step, no commit

@@ -25,7 +25,7 @@ from partfin_assets.iceberg.catalog import CatalogConfig
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.files import hour_partition, live_files, read_files
 from partfin_assets.iceberg.history import watermark_history
-from partfin_assets.iceberg.tables import read_base
+from partfin_assets.iceberg.tables import DELETED, read_base
 from partfin_assets.ingest.extensions import CommitProcessor
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
@@ -302,7 +302,7 @@ def extra_key(near: int, tag: int) -> int:
 def base_into(catalog, key: int, seq: int, hook):
     """A plain INTO job on base.orders: append one row."""
     row = pa.table({"id": [key], "amount": [9.0], "_event_time": pa.array([T0_US], pa.timestamp("us", tz="UTC")),
-                    "_source_seq": [seq], "_deleted": [False]})
+                    "_source_seq": [seq], DELETED: [False]})
     with Job.start(catalog, "base.orders", JobKind.INTO, before_commit=hook) as job:
         return commit_append(job, job.write(row))
 

@@ -139,4 +139,14 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     assert all(key in phase1 and meta["late_records"] > 0 for key, meta in amendments)
     assert sorted((r.tags["dagster/partition"], r.tags[BASE_SNAPSHOT_TAG]) for r in amendment_runs if r.status == DagsterRunStatus.SUCCESS) \
         == sorted((key, str(meta["base_snapshot_id"])) for key, meta in amendments)
+    # every finalization and amendment is also an Iceberg tag on base.orders at its event's snapshot (engines outside Dagster)
+    refs = load_partfin_catalog(home).load_table("base.orders").metadata.refs
+    tagged = sorted((name, ref.snapshot_id) for name, ref in refs.items() if name.startswith("finalized-"))
+    numbered = {key: 0 for key, _ in events}
+    wanted = []
+    for key, meta in events:
+        name = "finalized-" + key.replace(":00", "") + (f"-amend-{numbered[key]}" if numbered[key] else "")
+        numbered[key] += 1
+        wanted.append((name, meta["base_snapshot_id"]))
+    assert tagged == sorted(wanted)
     instance.dispose()

@@ -279,6 +279,10 @@ def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monk
     amendments = [r for r in amended.run_requests if r.tags.get(AMENDMENT_TAG) == "true"]
     assert amendments and all(r.run_key.startswith(f"orders:{r.partition_key}:amendment:") for r in amendments)
     assert {r.partition_key for r in amendments} == set(rerun) & set(keys)
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+
+    amended_tags = {n for n in load_partfin_catalog().load_table("base.orders").metadata.refs if "-amend-" in n}
+    assert amended_tags == {"finalized-" + r.partition_key.replace(":00", "") + "-amend-1" for r in amendments}  # any engine sees them
     for key in to_rerun:
         tags = requests[key].tags if key in requests else {}
         assert later.resolve_job_def("activity_orders_job").execute_in_process(instance=instance, partition_key=key, tags=tags).success
@@ -289,3 +293,34 @@ def test_late_rows_in_hours_that_ran_ask_for_a_rerun_of_those_hours(synced, monk
     by_name = {e.check_name: e for e in cleared.get_asset_check_evaluations()}
     assert by_name["late_data"].passed and by_name["late_data_after_run"].passed
     assert by_name["late_data"].metadata["late_records"].value == sticky.metadata["late_records"].value  # totals stay
+
+
+def test_each_finalized_hour_is_an_iceberg_tag_other_engines_read(synced):
+    """Each hour the sensor finalizes gets a tag `finalized-<hour>` on base.orders at the snapshot its event names,
+    with a retention (max-ref-age); DuckDB finds it in the table's metadata and reads the hour as it was final."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.tables import read_base
+    from partfin_assets_tests.engines import duckdb_read_tag, plain_rows
+
+    defs, instance, table = synced
+    first = _finalize(defs, instance)
+    catalog = load_partfin_catalog()
+    base = catalog.load_table("base.orders")
+    events = {e.dagster_event.partition: e.asset_materialization.metadata for e in _materializations(instance, FINALIZED)}
+    tags = {name: ref for name, ref in base.metadata.refs.items() if name.startswith("finalized-")}
+    expected = {"finalized-" + key.replace(":00", ""): meta["base_snapshot_id"].value for key, meta in events.items()}
+    assert len(expected) == len(first.run_requests) > 0
+    assert {name: ref.snapshot_id for name, ref in tags.items()} == expected
+    assert all(ref.snapshot_ref_type == "tag" and ref.max_ref_age_ms == 7 * 24 * 3600 * 1000 for ref in tags.values())
+    assert not _tick(defs, instance).asset_events  # a repeated tick (cursor lost) tags nothing twice
+    assert set(catalog.load_table("base.orders").metadata.refs) == set(base.metadata.refs)
+
+    newest = max(tags)
+    from_duckdb = duckdb_read_tag(base, newest)
+    expected_rows = read_base(catalog, "orders", include_deleted=True, snapshot_id=tags[newest].snapshot_id)
+    assert plain_rows(from_duckdb, expected_rows.column_names) == plain_rows(expected_rows)
+    from partfin_assets.finalization.status import all_table_status
+
+    status = {s.name: s for s in all_table_status(catalog)}["base.orders"]
+    assert status.finalized_tags == len(expected) and status.newest_finalized_tag == newest
+    assert status.metadata_location == catalog.load_table("base.orders").metadata_location  # what DuckDB reads

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.iceberg.tables import META_COLUMNS
+from partfin_assets.iceberg.tables import DELETED, META_COLUMNS
 from partfin_assets_tests.test_cli import partfin
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def _kind_name(kind) -> str:
 def base_rows(home: Path, table: str) -> tuple[list[dict], list[str]]:
     catalog = load_partfin_catalog(home)
     data = catalog.load_table(f"base.{table}").scan().to_arrow()
-    data = data.filter(pc.invert(data.column("_deleted")))
+    data = data.filter(pc.invert(data.column(DELETED)))
     columns = [c for c in data.column_names if c not in META_COLUMNS]
     return data.select(columns).to_pylist(), columns
 

@@ -12,6 +12,7 @@ from decimal import Decimal
 import pyarrow as pa
 import pytest
 
+from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.sources.debezium_json import (
     DebeziumJsonDecoder,
     DecodedChange,
@@ -283,7 +284,7 @@ def test_types_the_corpus_lacks_land_in_base_through_the_cli(tmp_path):
     assert [(r["source_seq"], "column 'tiny'" in r["reason"]) for r in rejected] == [(2, True)]
     base = catalog.load_table("base.beyond")
     types = {f.name: re.sub(r"\b\d+: |\b(?:optional|required) ", "", str(f.field_type)) for f in base.schema().fields}  # no field ids
-    rows = {r["id"]: r for r in base.scan().to_arrow().to_pylist() if not r["_deleted"]}
+    rows = {r["id"]: r for r in base.scan().to_arrow().to_pylist() if not r[DELETED]}
     assert sorted(rows) == [1, 2, 3]
     for name, (_, _, iceberg_type, value) in BEYOND_CORPUS.items():
         assert types[name] == iceberg_type, (name, types[name])

@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.history import watermark_history
 from partfin_assets.iceberg.streams import set_idle_timeout, streams_of
+from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import parse_iso, to_us
@@ -438,7 +439,7 @@ def test_dagster_sync_reads_partfin_source_kafka_and_the_group_sees_its_progress
 
     catalog = load_partfin_catalog(tmp_path / "home")
     assert cdc_rows(tmp_path / "home").num_rows == sum(m.value is not None for m in messages)
-    base = catalog.load_table("base.orders").scan().to_arrow().filter(pc.invert(pc.field("_deleted")))
+    base = catalog.load_table("base.orders").scan().to_arrow().filter(pc.invert(pc.field(DELETED)))
     assert sorted(base.column("id").to_pylist()) == [i for i in range(40) if i % 4]
     recorded = json.loads(json.loads(catalog.load_table("cdc.orders").properties[f"{K.PROP_WRITER_PREFIX}orders-writer"])["offset"])
     assert {str(p): o for p, o in group_offsets(kafka_cluster, "orders-sync").items()} == recorded["partitions"]

@@ -46,7 +46,7 @@ home = sys.argv[1]
 catalog = SqlCatalog("partfin", uri=f"sqlite:///{home}/catalog.db", warehouse=f"file://{home}/warehouse")
 rows = catalog.load_table("base.orders").scan().to_arrow()
 assert not [m for m in sys.modules if m.startswith("partfin")]
-print(json.dumps(sorted([r["id"], r["amount"], r["_source_seq"], r["_deleted"]] for r in rows.to_pylist())))
+print(json.dumps(sorted([r["id"], r["amount"], r["_source_seq"], r[sys.argv[2]]] for r in rows.to_pylist())))
 """
 
 
@@ -70,7 +70,7 @@ def all_rows(h: Harness) -> list:
 
 
 def plain_pyiceberg_rows(home: Path) -> list:
-    out = subprocess.run([sys.executable, "-c", PLAIN_SCAN, str(home)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PLAIN_SCAN, str(home), DELETED], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

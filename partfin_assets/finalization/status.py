@@ -11,6 +11,7 @@ from pyiceberg.table import Table
 from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
+from partfin_assets.finalization.tags import finalized_tags
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
@@ -47,6 +48,11 @@ class TableStatus:
     bytes_per_bucket: int | None = None
     rebucket: str | None = None
     broken: str | None = None  # why the table (or its __rejected table) cannot be loaded: the missing metadata file
+    # base tables: the Iceberg tags of finalized hours (finalization/tags.py): how many, the oldest and newest
+    finalized_tags: int | None = None
+    oldest_finalized_tag: str | None = None
+    newest_finalized_tag: str | None = None
+    metadata_location: str | None = None  # the current metadata file: what DuckDB's iceberg_scan or ClickHouse read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +74,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
     acknowledged = acknowledged_hours(late, acks_of(properties))
     load = bucket_load(table) if not is_cdc else None
     grow = load.recommended_buckets if load is not None else None
+    tags = finalized_tags(table) if not is_cdc else []
     return TableStatus(
         name=identifier,
         layer=identifier.split(".")[0],
@@ -87,6 +94,10 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         buckets=load.buckets if load is not None else None,
         bytes_per_bucket=load.bytes_per_bucket if load is not None else None,
         rebucket=f"partfin base rebucket --table {identifier.split('.', 1)[1]} --buckets {grow}" if grow else None,
+        finalized_tags=len(tags) if not is_cdc else None,
+        oldest_finalized_tag=tags[0].name if tags else None,
+        newest_finalized_tag=tags[-1].name if tags else None,
+        metadata_location=table.metadata_location,
     )
 
 

@@ -32,7 +32,7 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate, TableUpdate
+from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotRefUpdate, RemoveSnapshotsUpdate, TableUpdate
 
 from partfin_assets.iceberg.files import conform_rows, delete_files, write_data_files
 from partfin_assets.iceberg.history import find_commit
@@ -211,16 +211,20 @@ def snapshot_summary_with_commit_id(summary: dict[str, str], commit_id: str, kin
     return {**summary, K.COMMIT_ID: commit_id, K.JOB_KIND: kind.value}
 
 
-def remove_snapshots(table: Table, expired: list[Snapshot]) -> int:
-    """Remove these snapshots of `table` (a compare-and-set on its refs); returns how many, 0 on a lost race."""
+def remove_snapshots(table: Table, expired: list[Snapshot], refs: tuple[str, ...] = ()) -> int:
+    """Remove these snapshots and `refs` of `table` (a compare-and-set on its refs); returns how many snapshots,
+    0 on a lost race."""
     # The catalog applies the removal to whatever metadata is current when it commits: a
     # concurrent expiry may have removed some of these snapshots already (PyIceberg then fails
     # the whole update), and a tag moved meanwhile (the upsert's) would be dropped with its
     # snapshot. So the removal is a compare-and-set on every ref as this view saw it; a lost
     # race just leaves expiry to the next checkpoint.
     unchanged = tuple(AssertRefSnapshotId(ref=name, snapshot_id=ref.snapshot_id) for name, ref in table.metadata.refs.items())
+    updates: tuple[TableUpdate, ...] = tuple(RemoveSnapshotRefUpdate(ref_name=name) for name in refs)
+    if expired:
+        updates += (RemoveSnapshotsUpdate(snapshot_ids=[s.snapshot_id for s in expired]),)
     try:
-        new_transaction(table)._apply((RemoveSnapshotsUpdate(snapshot_ids=[s.snapshot_id for s in expired]),), unchanged).commit_transaction()
+        new_transaction(table)._apply(updates, unchanged).commit_transaction()
     except CommitFailedException:
         log.info("snapshot expiry on %s lost a race with a concurrent commit; retried next time", table.name())
         return 0

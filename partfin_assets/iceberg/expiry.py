@@ -5,17 +5,21 @@ streaming writer expires old snapshots as it goes. Never expired: the newest
 `keep_last` snapshots of main, each progress stream's policy window (its last X
 stats-bearing commits, or those of the last span of arrival), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
-branch or tag points at (the upsert tags the CDC snapshot it merged). Before checkpoints
+branch or tag points at (the upsert tags the CDC snapshot it merged, the finalization sensor each
+finalized hour of base). A tag or branch with `max-ref-age-ms` older than that (the age of the snapshot
+it points at, as Iceberg defines it) is dropped by expiry, in the same commit. Before checkpoints
 expire, the late-data ledger records any it does not hold yet (iceberg/ledger.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import MAIN_BRANCH
 
 from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
@@ -40,10 +44,21 @@ class Retention:
             raise InvalidInput(f"retention needs keep_last >= 1 and slack >= 0, got {self}")
 
 
-def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: CommitWindow | int) -> set[int]:
+def aged_refs(metadata: TableMetadata, now_ms: int) -> list[str]:
+    """The refs (main aside) older than their `max-ref-age-ms`: the age of the snapshot each points at."""
+    out = []
+    for name, ref in metadata.refs.items():
+        snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+        if name != MAIN_BRANCH and ref.max_ref_age_ms is not None and snapshot is not None \
+                and now_ms - snapshot.timestamp_ms > ref.max_ref_age_ms:
+            out.append(name)
+    return out
+
+
+def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: CommitWindow | int, dropped_refs: tuple[str, ...] = ()) -> set[int]:
     if isinstance(window, int):
         window = CommitWindow(commits=window)
-    keep: set[int] = {ref.snapshot_id for ref in metadata.refs.values()}
+    keep: set[int] = {ref.snapshot_id for name, ref in metadata.refs.items() if name not in dropped_refs}
     stats_seen: dict[str | None, int] = {}  # per stream: its policy window
     newest_clock: dict[str | None, int] = {}
     writers_seen: set[str] = set()
@@ -66,26 +81,27 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
     return keep
 
 
-def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int) -> int:
+def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int, now_ms: int | None = None) -> int:
     """Expire what retention allows once enough piled up; returns how many snapshots were expired.
 
     `table` is the caller's freshly committed view of the table; `window`: the watermark policy's
-    window per progress stream (kept).
+    window per progress stream (kept). Refs past their max-ref-age go in the same commit.
     """
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
         return 0
+    aged = tuple(aged_refs(table.metadata, int(time.time() * 1000) if now_ms is None else now_ms))
     if retention.summaries:
-        keep = protected_snapshot_ids(table.metadata, retention.keep_last, window)
+        keep = protected_snapshot_ids(table.metadata, retention.keep_last, window, aged)
     else:
-        keep = {ref.snapshot_id for ref in table.metadata.refs.values()}
+        keep = {ref.snapshot_id for name, ref in table.metadata.refs.items() if name not in aged}
         keep |= {s.snapshot_id for s in list(lineage(table.metadata))[: retention.keep_last]}
     expired = [s for s in snapshots if s.snapshot_id not in keep]
-    if not expired:
+    if not expired and not aged:
         return 0
     if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
-    return remove_snapshots(table, expired)
+    return remove_snapshots(table, expired, aged)
 
 
 def expiry_due(table: Table, retention: Retention) -> bool:

@@ -4,13 +4,17 @@
   `hour(event_time)`; `cdc.<table>__rejected`: records a source could not parse, with the reason;
   `cdc.<table>__ledger`: the late-data ledger, per checkpoint and event hour (iceberg/ledger.py).
 - `base.<table>`: the current state: the declared typed columns plus `_event_time`,
-  `_source_seq`, `_deleted` (tombstone), `_source_log` and `_order_time` (the version's place in
+  `_source_seq`, `_tombstone`, `_source_log` and `_order_time` (the version's place in
   last-writer-wins, jobs/upsert/decode.py), partitioned `bucket(N, first primary-key column)`.
+
+No column name is one an engine reserves for Iceberg metadata columns (iceberg/reserved_names.py);
+base tables from before, whose tombstone column was `_deleted`, are renamed in place by the next upsert.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,9 +48,12 @@ from pyiceberg.types import (
 from partfin_assets.iceberg.catalog import ensure_namespaces, load_existing_table
 from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_managed_properties, new_transaction, set_table_properties
 from partfin_assets.iceberg.history import lineage, summary_of
+from partfin_assets.iceberg.reserved_names import is_reserved
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
 from partfin_assets.model.tablespec import LEDGER_SUFFIX, TableSpec
+
+log = logging.getLogger(__name__)
 
 CDC_SCHEMA = Schema(
     NestedField(1, "key", StringType(), required=True),
@@ -190,7 +197,10 @@ def ensure_quarantine_table(catalog: Catalog, spec: TableSpec) -> Table:
 # Metadata columns of base.<table>.
 EVENT_TIME = "_event_time"  # event time of the change that wrote the row (its hour is the row's base partition)
 SOURCE_SEQ = "_source_seq"  # its position in its change log
-DELETED = "_deleted"  # tombstone: the winning change was a delete
+# tombstone: the winning change was a delete. Not Iceberg's `_deleted` (a metadata column: "removed by a delete
+# file"), whose name Spark refuses in a table's columns, nor `is_deleted` (a common soft-delete column of sources).
+DELETED = "_tombstone"
+LEGACY_DELETED = "_deleted"  # its name in base tables from before: renamed in place by their next upsert
 SOURCE_LOG = "_source_log"  # the change log it came from (cdc `source_log`); null: unknown (a row written before partfin kept it)
 ORDER_TIME = "_order_time"  # its event time as its log orders it: never before an earlier change of the key in that log; null: _event_time
 META_COLUMNS = (EVENT_TIME, SOURCE_SEQ, DELETED, SOURCE_LOG, ORDER_TIME)
@@ -276,6 +286,8 @@ def base_columns(spec: TableSpec) -> dict[str, pa.DataType]:
     for name in spec.columns:
         if name in META_COLUMNS or name.startswith("__"):
             raise InvalidInput(f"table {spec.name!r}: column name {name!r} is reserved for base-table metadata")
+        if is_reserved(name):
+            raise InvalidInput(f"table {spec.name!r}: column name {name!r} is reserved for Iceberg metadata columns by query engines")
     return dict(spec.columns)
 
 
@@ -315,6 +327,7 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
     """Create base.<name> from the declaration if it does not exist; return it."""
     identifier = spec.base_identifier
     if catalog.table_exists(identifier):
+        _rename_legacy_tombstone(catalog, identifier)
         _add_missing_columns(catalog, identifier, ORDER_FIELDS)
         return _with_delta_columns(catalog, catalog.load_table(identifier), spec)
     buckets = buckets or DEFAULT_BUCKETS
@@ -331,6 +344,28 @@ def ensure_base_table(catalog: Catalog, spec: TableSpec, *, buckets: int | None 
     except TableAlreadyExistsError:
         pass  # a concurrent run created it
     return catalog.load_table(identifier)
+
+
+def tombstone_column(schema: Schema) -> str:
+    """The tombstone column's name in `schema`: DELETED, or LEGACY_DELETED in a table (or an old snapshot) from before."""
+    names = {f.name for f in schema.fields}
+    return LEGACY_DELETED if LEGACY_DELETED in names and DELETED not in names else DELETED
+
+
+def _rename_legacy_tombstone(catalog: Catalog, identifier: str) -> None:
+    """Rename a base table's `_deleted` to DELETED: an Iceberg column rename (a new schema version; metadata only,
+    the field id and data files stay, so every snapshot reads as before)."""
+    table = catalog.load_table(identifier)
+    if tombstone_column(table.schema()) == DELETED:
+        return
+    try:
+        with table.update_schema() as update:
+            update.rename_column(LEGACY_DELETED, DELETED)
+    except CommitFailedException:
+        # another run renamed it (or changed the table) at the same moment: fine if it is renamed now
+        if tombstone_column(catalog.load_table(identifier).schema()) != DELETED:
+            raise
+    log.info("%s: column %s renamed to %s (Iceberg reserves %s for a metadata column)", identifier, LEGACY_DELETED, DELETED, LEGACY_DELETED)
 
 
 def lookup_columns(spec: TableSpec) -> list[str]:
@@ -383,17 +418,23 @@ def read_base(
     snapshot_id: int | None = None,
     selected_fields: tuple[str, ...] = ("*",),
 ) -> pa.Table:
-    """The rows of base.<name>, now or at `snapshot_id` (tombstones and `_deleted` hidden unless include_deleted).
+    """The rows of base.<name>, now or at `snapshot_id` (tombstones and DELETED hidden unless include_deleted).
 
     `row_filter` is a PyIceberg filter, e.g. on `_event_time` for one hour. A snapshot that may not
-    be read (snapshot_unavailable_reason) raises SnapshotUnavailable with the reason.
+    be read (snapshot_unavailable_reason) raises SnapshotUnavailable with the reason. A table (or a
+    snapshot) from before the tombstone column's rename reads with the column named DELETED too.
     """
     table = load_existing_table(catalog, f"base.{name}", f"run `partfin upsert --table {name}` first")
     reason = snapshot_unavailable_reason(table, snapshot_id) if snapshot_id is not None else None
     if reason:
         raise SnapshotUnavailable(reason)
-    fields = selected_fields if include_deleted or "*" in selected_fields else (*selected_fields, DELETED)
-    data = table.scan(row_filter=row_filter, snapshot_id=snapshot_id, selected_fields=fields).to_arrow()
+    scan = table.scan(row_filter=row_filter, snapshot_id=snapshot_id)
+    stored = tombstone_column(scan.projection())  # the schema of the snapshot read
+    wanted = tuple(stored if f == DELETED else f for f in selected_fields)
+    fields = wanted if include_deleted or "*" in wanted else (*wanted, stored)
+    data = scan.update(selected_fields=fields).to_arrow()
+    if stored != DELETED:
+        data = data.rename_columns([DELETED if n == stored else n for n in data.column_names])
     if include_deleted:
         return data
     return data.filter(pc.invert(data.column(DELETED))).drop_columns([DELETED])

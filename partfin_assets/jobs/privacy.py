@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, In
 
+from partfin_assets.finalization.tags import release_erased_tags
 from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.erasures import raise_fence, register_erasure
 from partfin_assets.iceberg.files import read_files
@@ -283,15 +284,18 @@ def privacy_delete(
             raise_fence(catalog, identifier, erasures, request_id)  # from here on its writers filter the request
             into += _until_gone(catalog, identifier, prune, mask, request_id, max_rounds, before_commit, rewrite)
         step(identifier)
-    release_old_references(catalog, spec, result)
+    release_old_references(catalog, spec, base_prune, base_mask)
     step(STEP_REFERENCES)
     return result
 
 
-def release_old_references(catalog: Catalog, spec: TableSpec, result: PrivacyDeleteResult) -> None:
+def release_old_references(catalog: Catalog, spec: TableSpec, base_prune: BooleanExpression, base_mask: MaskFn) -> None:
     """The one place a privacy delete re-points or drops refs (tags, branches) of the tables it rewrote that still
     point at a snapshot from before it: such a snapshot keeps the erased rows' files alive, past expiry.
 
-    Today partfin's only ref is cdc.<table>'s `partfin-base-merged` tag, which the next upsert moves past the delete
-    (every sync run upserts); refs added later (e.g. a tag per finalized hour) are handled here.
+    cdc.<table>'s `partfin-base-merged` tag is moved past the delete by the next upsert (every sync run upserts); the
+    finalization tags of base.<table> (finalization/tags.py) whose snapshot still holds an erased row are dropped here:
+    that hour is then read from the current snapshot.
     """
+    if catalog.table_exists(spec.base_identifier):
+        release_erased_tags(catalog, spec.base_identifier, base_prune, base_mask)

@@ -95,6 +95,7 @@ PROP_SOURCE_SNAPSHOT_ID = "partfin.source-snapshot-id"
 PROP_FUTURE_TOLERANCE = "partfin.event-time.future-tolerance"  # cdc: how far past the commit clock an event time is plausible (default 5m)
 PROP_BASE_BUCKETS = "partfin.base.buckets"  # on base.<table>: bucket count of the current spec (`partfin base rebucket` grows it)
 PROP_DELTA_COLUMNS = "partfin.write.parquet.delta-columns"  # comma-separated columns partfin writes DELTA_BINARY_PACKED (base: key, ordering)
+PROP_FINALIZED_TAG_MAX_AGE = "partfin.finalized-tag.max-age"  # on base.<table>: how long a finalized-<hour> tag is kept (default 7d; finalization/tags.py)
 
 # snapshot refs
 MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> merged up to (expiry keeps it)

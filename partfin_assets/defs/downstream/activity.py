@@ -22,7 +22,7 @@ from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key, is_finalized, not_finalized_reason
 from partfin_assets.finalization.read_points import BASE_SNAPSHOT_TAG, ReadPoint, base_position, read_point, read_tags
-from partfin_assets.iceberg.tables import read_base, snapshot_unavailable_reason
+from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, read_base, snapshot_unavailable_reason
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.testing.faults import fail_once
 
@@ -78,18 +78,18 @@ def build_activity_asset(table: PartfinTable):
         fail_once(name, partition_key, home)
 
         rows = read_base(
-            iceberg, name, include_deleted=True, snapshot_id=point.snapshot_id, selected_fields=("_event_time", "_deleted"),
-            row_filter=And(GreaterThanOrEqual("_event_time", hour), LessThan("_event_time", hour + US_PER_HOUR)),
+            iceberg, name, include_deleted=True, snapshot_id=point.snapshot_id, selected_fields=(EVENT_TIME, DELETED),
+            row_filter=And(GreaterThanOrEqual(EVENT_TIME, hour), LessThan(EVENT_TIME, hour + US_PER_HOUR)),
         )
         frame = pl.from_arrow(rows)
         assert isinstance(frame, pl.DataFrame)
         buckets = (
-            frame.with_columns(pl.col("_event_time").dt.truncate("5m").alias("bucket"))
+            frame.with_columns(pl.col(EVENT_TIME).dt.truncate("5m").alias("bucket"))
             .group_by("bucket")
             .agg(
                 pl.len().alias("rows"),
-                (~pl.col("_deleted")).sum().alias("live"),
-                pl.col("_deleted").sum().alias("deleted"),
+                (~pl.col(DELETED)).sum().alias("live"),
+                pl.col(DELETED).sum().alias("deleted"),
             )
             .sort("bucket")
         )

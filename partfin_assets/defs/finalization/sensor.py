@@ -9,7 +9,9 @@ walks the hours from its cursor up to that watermark in order:
   before storing its cursor;
 - a runless AssetMaterialization of `finalized/<table>`, partition = the hour, naming that base
   snapshot, for other teams' sensors; emitted only for hours not recorded yet, so a repeated tick
-  does not emit it twice.
+  does not emit it twice;
+- an Iceberg tag `finalized-<hour>` on base.<table> at that snapshot (`-amend-N` for an amendment),
+  for engines outside Dagster (finalization/tags.py).
 
 When base merged new cdc commits since the last tick, the late data of those commits says whether
 late records reached hours already requested (finalization/late_data.py: the ledger, and the commits
@@ -46,6 +48,7 @@ from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key,
 from partfin_assets.finalization.late_acks import acks_of, unacknowledged_late
 from partfin_assets.finalization.late_data import LateHour, late_data
 from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
+from partfin_assets.finalization.tags import Finalization, tag_finalizations
 from partfin_assets.iceberg.catalog import load_existing_table, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.model import summary_keys as K
@@ -169,6 +172,11 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                 metadata=finalization_metadata(hour, watermark, position, late),
             )
         )
+    if position.snapshot_id is not None:  # before the events: a tick that fails here is repeated, tags are idempotent
+        tags = tag_finalizations(iceberg, f"base.{table.name}", [
+            Finalization(hour, position.snapshot_id, late is not None) for hour, late in [*amended.items(), *((h, None) for h in hours)]])
+        if tags:
+            context.log.info(f"base.{table.name}: tagged {', '.join(tags)}")
     if amended:
         context.log.info(f"{table.name}: late data in {len(amended)} final hour(s): re-runs requested")
     if hours:

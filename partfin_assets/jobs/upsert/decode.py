@@ -63,7 +63,7 @@ def decode_keys(spec: TableSpec, raw: pa.Table) -> tuple[KeyedRows, pa.Table]:
 
 
 def decode_payloads(spec: TableSpec, keyed: KeyedRows) -> tuple[pl.DataFrame, pa.Table]:
-    """Step 2b, keyed CDC rows -> typed change rows (declared columns + _event_time, _source_seq, _deleted, _source_log,
+    """Step 2b, keyed CDC rows -> typed change rows (declared columns + _event_time, _source_seq, _tombstone, _source_log,
     not yet deduplicated); the rows whose after-image does not fit, with `column` and `reason`."""
     columns = base_columns(spec)
     pk = list(spec.primary_key)

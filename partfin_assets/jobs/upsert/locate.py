@@ -3,7 +3,7 @@
 Only the key columns and the ordering/tombstone columns of base.<table> are read, one row group
 at a time, and only from the data files of the changes' key group whose key bounds (manifest
 statistics) can hold one of the changed keys; the ordering/tombstone columns only of row groups
-holding a changed key, and not at all when the file's statistics show them constant (`_deleted`
+holding a changed key, and not at all when the file's statistics show them constant (`_tombstone`
 of a file without tombstones). Rows already removed by a position delete are not versions any
 more. Memory is bounded by the changes plus one row group; the cost is the key columns of the
 group's files, never whole rows.
@@ -13,7 +13,7 @@ every changed key it holds has changes whose order time and position are all abo
 group's largest `_order_time`/`_event_time` and `_source_seq`, each of those changes is newer than
 any version there, whatever its log (the common case of a stream: new changes above old rows).
 Such a row group is read for its key, `_event_time` (the hours a replaced row leaves) and
-`_deleted` only; its ordering columns come back null, which the merge ranks as "older than the
+`_tombstone` only; its ordering columns come back null, which the merge ranks as "older than the
 change" (a null log is no common log, a null order time reads as the event time): the decision a
 full read would give. Late changes, re-deliveries and several logs with unrelated positions fall
 back to reading the ordering columns of the row groups they hit.
@@ -107,7 +107,7 @@ def _constant_columns(table: Table, data_file: DataFile, columns: list[str]) -> 
     """The columns whose every value in `data_file` is one known value, from its manifest statistics.
 
     Only types whose bounds are exact (booleans, integers, dates, timestamps) and only when the
-    column has no nulls: `_deleted` of a file without tombstones is the common case. Such a column
+    column has no nulls: `_tombstone` of a file without tombstones is the common case. Such a column
     is not decoded at all.
     """
     schema = table.metadata.schema()

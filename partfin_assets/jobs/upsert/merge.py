@@ -7,7 +7,7 @@ only, key-range-pruned files), rank each key's
 changes (one per change log) from where their log stood in the base row, and decide last-writer-wins
 per key (jobs/upsert/decode.py `ORDER_KEY`, `newer_than_base`), then
 
-- append the new versions (deletes become tombstones, `_deleted`, so an older update arriving
+- append the new versions (deletes become tombstones, `_tombstone`, so an older update arriving
   later cannot resurrect the row) as one data file per bucket, sorted by key;
 - delete the old versions by position: per bucket one position-delete file holding the bucket's
   earlier positions and the new ones, replacing the earlier file;
