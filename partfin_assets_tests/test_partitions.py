@@ -21,7 +21,7 @@ from partfin_assets.ingest.event_time import EventTimeAccumulator
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import EventTimeProfile, decode_by_hour
-from partfin_assets.model.timeutil import US_PER_HOUR, iso_z, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, format_duration, iso_z, to_us
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 from partfin_assets_tests.conftest import change_batch
 
@@ -122,7 +122,7 @@ def test_hour_truths_show_the_whole_hour_from_the_ledger(written):
     # an override (base: the upsert that carried the watermark past the hour) wins
     first_final = final[0].hour_us
     (overridden,) = hour_truths(ledger, [first_final], watermark, {first_final: first_final + 2 * US_PER_HOUR})
-    assert overridden.finalization_lag_seconds == 3600.0
+    assert overridden.finalization_lag_seconds == 3600.0 and overridden.metadata()["finalization_lag"] == "1 h 0 min"
     assert finalization_times(ledger, [watermark]) == {}  # the open hour has not finalized
     assert watermark_regressions(watermark_history(table.metadata)) == []
     facts = checkpoint_facts(results[0].summary, to_us(datetime(2026, 1, 1, 0, 30, tzinfo=UTC)))
@@ -215,3 +215,10 @@ def test_not_finalized_reason_names_hour_and_watermark():
         "(needs >= 2026-11-01T06:00:00Z)"
     )
     assert "its watermark is not set" in not_finalized_reason(hour, None, "cdc.orders")
+
+
+@pytest.mark.parametrize("seconds, shown", [(21598.995, "5 h 59 min"), (21600, "6 h 0 min"), (53660.756, "14 h 54 min"), (45, "45 s"),
+                                            (150, "2 min 30 s"), (1500, "25 min"), (90061, "1 d 1 h"), (-30, "-30 s"), (None, None)])
+def test_durations_read_as_durations(seconds, shown):
+    """Issue 26: lags shown as `finalization_lag_seconds 21598.995` read as "5 h 59 min" beside the number."""
+    assert format_duration(seconds) == shown

@@ -20,7 +20,7 @@ import polars as pl
 from partfin_assets.finalization.hours import hour_key, is_finalized
 from partfin_assets.iceberg.ledger import hour_totals
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, iso_z, parse_iso, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, format_duration, iso_z, parse_iso, to_us
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class HourTruth:
             "event_time_p99": iso(self.p99_us),
             "finalized": self.finalized,
             "finalized_at": iso(self.finalized_at_us) if self.finalized else None,
-            "finalization_lag_seconds": self.finalization_lag_seconds,
+            "finalization_lag_seconds": self.finalization_lag_seconds,  # a number: Dagster plots it across events
+            "finalization_lag": format_duration(self.finalization_lag_seconds),  # the same, as people read it: "6 h 0 min"
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import UTC, datetime, timedelta
 
@@ -62,3 +63,22 @@ def parse_duration(text: str) -> timedelta:
     if not match:
         raise InvalidInput(f"not a duration: {text!r} (expected e.g. 90s, 20m, 6h)")
     return timedelta(**{_DURATION_UNITS[match.group(2)]: float(match.group(1))})
+
+
+def format_duration(seconds: float | None) -> str | None:
+    """A duration as people read it: `45 s`, `6 h 0 min`, `2 d 3 h` (negative: `-` first; None stays None)."""
+    if seconds is None or math.isnan(seconds):
+        return None
+    if math.isinf(seconds):
+        return "never"
+    sign, total = ("-" if seconds < 0 else ""), round(abs(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{sign}{days} d {hours} h"
+    if hours:
+        return f"{sign}{hours} h {minutes} min"
+    if minutes:
+        return f"{sign}{minutes} min {secs} s" if minutes < 10 and secs else f"{sign}{minutes} min"
+    return f"{sign}{secs} s"

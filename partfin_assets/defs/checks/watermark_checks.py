@@ -36,6 +36,7 @@ from partfin_assets.finalization import table_checks as tc
 from partfin_assets.finalization.hours import hour_key
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.jobs.policy_lab import measured_policy
+from partfin_assets.model.timeutil import format_duration
 
 
 def _limits(table: PartfinTable) -> tc.CheckThresholds:
@@ -178,9 +179,12 @@ def _with_policy_metadata(outcome: tc.CheckOutcome, catalog: Catalog, name: str)
 
 
 def _policy_metadata(outcome) -> dict:
-    measured = {"watermark_policy": outcome.name, "late_share_after_finalization": outcome.late_share}
+    # ratios rounded, durations also as people read them ("6 h 0 min"); the numbers stay numbers for Dagster's plots
+    measured = {"watermark_policy": outcome.name, "late_share_after_finalization": round(outcome.late_share, 5),
+                "late_share_after_finalization_percent": f"{outcome.late_share:.3%}"}
     if math.isfinite(outcome.median_lag_s):
-        measured["median_finalization_lag_seconds"] = outcome.median_lag_s
+        measured["median_finalization_lag_seconds"] = round(outcome.median_lag_s)
+        measured["median_finalization_lag"] = format_duration(outcome.median_lag_s)
     if math.isfinite(outcome.lag_ratio):
-        measured["finalization_lag_vs_oracle"] = outcome.lag_ratio
+        measured["finalization_lag_vs_oracle"] = round(outcome.lag_ratio, 2)
     return measured
