@@ -112,6 +112,10 @@ def test_hour_truths_show_the_whole_hour_from_the_ledger(written):
         meta = t.metadata()
         assert meta["hour"] == iso_z(t.hour_us) and meta["records"] == t.records
         assert t.hour_us <= t.event_time_min_us <= t.p50_us <= t.p99_us <= t.event_time_max_us < t.hour_us + US_PER_HOUR
+        # how late the hour's records arrived: a distribution, shown as durations, and the late share
+        p50, p99, most = t.arrival_delay_s
+        assert 0 <= p50 <= p99 <= most and meta["arrival_delay_max"] == format_duration(most)
+        assert meta["late_share"] == f"{t.late_records / t.records:.2%}"
     for t in final:  # finalized at the commit clock of the first checkpoint whose watermark passed the hour's end
         first = min(r.summary[K.COMMIT_CLOCK] for r in results
                     if r.snapshot_id is not None and watermark_of(r.summary) is not None and watermark_of(r.summary) >= t.hour_us + US_PER_HOUR)

@@ -34,6 +34,8 @@ class HourTruth:
     p99_us: int | None
     finalized: bool
     finalized_at_us: int | None
+    # arrival delay (arrival - event time) of the hour's records, seconds: p50, p99, max; None without digests
+    arrival_delay_s: tuple[float, float, float] | None = None
 
     @property
     def partition_key(self) -> str:
@@ -64,6 +66,10 @@ class HourTruth:
             "finalized_at": iso(self.finalized_at_us) if self.finalized else None,
             "finalization_lag_seconds": self.finalization_lag_seconds,  # a number: Dagster plots it across events
             "finalization_lag": format_duration(self.finalization_lag_seconds),  # the same, as people read it: "6 h 0 min"
+            # how late the hour's records arrived, and the share that came after the hour was final
+            **({f"arrival_delay_{name}": format_duration(value) for name, value in zip(("p50", "p99", "max"), self.arrival_delay_s)}
+               if self.arrival_delay_s else {}),
+            "late_share": f"{self.late_records / self.records:.2%}" if self.records else None,
         }
 
 
@@ -122,6 +128,8 @@ def hour_truths(
             p99_us=row.get("p99"),
             finalized=is_finalized(hour, watermark_us),
             finalized_at_us=final_times.get(hour),
+            arrival_delay_s=(row["arrival_delay_p50_s"], row["arrival_delay_p99_s"], row["arrival_delay_max_s"])
+            if row.get("arrival_delay_p50_s") is not None else None,
         ))
     return out
 

@@ -423,14 +423,18 @@ HOUR_TOTALS_SCHEMA = {
     "p50": pl.Datetime("us", "UTC"), "p99": pl.Datetime("us", "UTC"),
     "first_arrival": pl.Datetime("us", "UTC"), "last_arrival": pl.Datetime("us", "UTC"),
     "first_commit": pl.Datetime("us", "UTC"), "last_commit": pl.Datetime("us", "UTC"),
+    # arrival delay (lateness: arrival - event time) of the hour's records, seconds: p50, p99 and max (p100 of the digests)
+    "arrival_delay_p50_s": pl.Float64, "arrival_delay_p99_s": pl.Float64, "arrival_delay_max_s": pl.Float64,
 }
 
 
 def hour_totals(ledger: pl.DataFrame) -> pl.DataFrame:
-    """Per event hour: records, late records, checkpoints, event-time min/max/p50/p99, first/last arrival and commit.
+    """Per event hour: records, late records, checkpoints, event-time min/max/p50/p99, first/last arrival and commit,
+    and the arrival delay's p50/p99/max.
 
     Arrival is the source's (`arrival_min/max`), else the commit's clock. p50/p99 merge the rows'
-    event-time digests (null when no row of the hour has one, as for replays alone).
+    event-time digests, the arrival delays their lateness digests (null when no row of the hour has
+    one, as for replays alone).
     """
     rows = ledger.filter(pl.col("hour").is_not_null())
     if rows.is_empty():
@@ -446,26 +450,34 @@ def hour_totals(ledger: pl.DataFrame) -> pl.DataFrame:
         pl.col("commit_time").min().alias("first_commit"),
         pl.col("commit_time").max().alias("last_commit"),
         pl.col("event_time_digest").drop_nulls().alias("digests"),
+        (pl.col("lateness_digest") if "lateness_digest" in rows.columns else pl.lit(None, pl.String)).drop_nulls().alias("delays"),
     )
     p50, p99 = [], []
     for digests, low, high in zip(totals["digests"].to_list(), totals["event_time_min"].to_list(), totals["event_time_max"].to_list()):
-        if not digests:
-            p50.append(None)
-            p99.append(None)
-            continue
-        merged = digest_from_dict(json.loads(digests[0]))
-        for text in digests[1:]:
-            merged = merged.merge(digest_from_dict(json.loads(text)))
-        bound = (to_us(low), to_us(high))
-        p50.append(_clamped_us(merged.quantile(0.5), bound))
-        p99.append(_clamped_us(merged.quantile(0.99), bound))
+        quantiles = _merged_quantiles(digests, (0.5, 0.99))
+        bound = (to_us(low), to_us(high)) if quantiles else (0, 0)
+        p50.append(_clamped_us(quantiles[0], bound) if quantiles else None)
+        p99.append(_clamped_us(quantiles[1], bound) if quantiles else None)
+    delays = [_merged_quantiles(texts, (0.5, 0.99, 1.0)) for texts in totals["delays"].to_list()]
     return (
-        totals.drop("digests")
+        totals.drop("digests", "delays")
         .with_columns(pl.Series("p50", p50, pl.Int64).cast(pl.Datetime("us", "UTC")),
-                      pl.Series("p99", p99, pl.Int64).cast(pl.Datetime("us", "UTC")))
+                      pl.Series("p99", p99, pl.Int64).cast(pl.Datetime("us", "UTC")),
+                      *(pl.Series(name, [d[i] if d else None for d in delays], pl.Float64)
+                        for i, name in enumerate(("arrival_delay_p50_s", "arrival_delay_p99_s", "arrival_delay_max_s"))))
         .select(list(HOUR_TOTALS_SCHEMA))
         .sort("hour")
     )
+
+
+def _merged_quantiles(digest_texts: list[str] | None, quantiles: tuple[float, ...]) -> tuple[float, ...] | None:
+    """Quantiles of the merge of several t-digests (JSON text), or None when there are none."""
+    if not digest_texts:
+        return None
+    merged = digest_from_dict(json.loads(digest_texts[0]))
+    for text in digest_texts[1:]:
+        merged = merged.merge(digest_from_dict(json.loads(text)))
+    return tuple(float(merged.quantile(q)) for q in quantiles)
 
 
 def _clamped_us(seconds: float, bound: tuple[int, int]) -> int:
