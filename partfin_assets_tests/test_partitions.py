@@ -224,5 +224,5 @@ def test_not_finalized_reason_names_hour_and_watermark():
 @pytest.mark.parametrize("seconds, shown", [(21598.995, "5 h 59 min"), (21600, "6 h 0 min"), (53660.756, "14 h 54 min"), (45, "45 s"),
                                             (150, "2 min 30 s"), (1500, "25 min"), (90061, "1 d 1 h"), (-30, "-30 s"), (None, None)])
 def test_durations_read_as_durations(seconds, shown):
-    """Issue 26: lags shown as `finalization_lag_seconds 21598.995` read as "5 h 59 min" beside the number."""
+    """Lags once shown as `finalization_lag_seconds 21598.995` read as "5 h 59 min" beside the number."""
     assert format_duration(seconds) == shown
