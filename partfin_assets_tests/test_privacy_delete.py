@@ -240,7 +240,7 @@ def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
     have moved past it and an upsert moved the merged tag, one maintenance run (expiry, orphan removal) of every table
     leaves no file on storage holding the key (the rejected tables' too)."""
     from partfin_assets.iceberg.expiry import Retention as KeepAll
-    from partfin_assets.jobs.maintenance import expire_table_snapshots, remove_orphan_files, table_retention
+    from partfin_assets.jobs.maintenance import expire_table_snapshots, maintained_tables, remove_orphan_files
     from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
 
     writer = CdcWriter(catalog, ORDERS, retention=KeepAll(keep_last=10_000))  # only maintenance expires here
@@ -262,9 +262,9 @@ def test_the_hard_erase_leaves_no_file_holding_the_key(catalog):
     for _ in range(10):  # base's newer snapshots (upserts)
         writer.write_checkpoint(change_batch(T0_US + 5 * HOUR_US + np.arange(1) * MINUTE_US + _, offset=f"b{_}", seq_start=2000 + _ * 10, keys=[32]))
         run_upsert(catalog, "orders")
-    for identifier in spec.row_identifiers:  # maintain_<table>
-        expire_table_snapshots(catalog, identifier, table_retention(spec, identifier, KeepAll()))
-        remove_orphan_files(catalog, identifier, older_than_s=0)
+    for maintained in maintained_tables(catalog, "orders"):  # maintain_<table>
+        expire_table_snapshots(catalog, maintained.identifier, maintained.retention(KeepAll()))
+        remove_orphan_files(catalog, maintained.identifier, older_than_s=0)
     assert files_holding(catalog, spec, 7) == []
     assert manifest_bounds_naming(catalog, spec, b'"id":7') == []  # column bounds of the removed files went too
     assert 7 not in base_ids(catalog) and sorted(base_ids(catalog)) == sorted(set(range(20)) - {7} | {30, 31, 32})
