@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z, now_utc, to_us
 from partfin_assets.testing import dagster_processes
 from partfin_assets_tests.scenario_helpers import append_lines, change, partfin
@@ -132,7 +133,7 @@ def test_one_request_erases_the_key_everywhere_and_nothing_brings_it_back(tmp_pa
     assert upsert.returncode == 0, upsert.stderr
     live = live_rows_of_erased(home)
     print("the key after re-delivery, a late change and a new one:", [(r["status"], r["amount"]) for r in live])
-    assert [(r["status"], r["amount"], r["_deleted"]) for r in live] == [("signed-up-again", 1.0, False)]
+    assert [(r["status"], r["amount"], r[DELETED]) for r in live] == [("signed-up-again", 1.0, False)]
     cdc = load_partfin_catalog(home).load_table("cdc.orders").scan().to_arrow()
     of_key = [r for r in cdc.to_pylist() if r["key"] == '{"id":42}']
     assert [json.loads(r["payload"])["status"] for r in of_key] == ["signed-up-again"]
