@@ -258,10 +258,16 @@ class CdcWriter:
         (WriterFenced) or fails, the shares' files are deleted.
         """
         data_files = [f for share in written for f in share.data_files]
+        self._commit_stage = "before"
         try:
             return self._commit_checkpoint(prepared, data_files, written)
-        except BaseException:
-            delete_files(self.table.io, [f.file_path for f in data_files])
+        except BaseException as exc:
+            # Only files no snapshot can name are deleted. Once the commit landed (an interrupt or error in the
+            # post-commit work: ledger, expiry), or while its outcome is unknown (an interrupt inside the commit),
+            # they are kept: orphan removal deletes them if no snapshot names them.
+            unknown = self._commit_stage == "committing" and not isinstance(exc, Exception)
+            if self._commit_stage != "landed" and not unknown:
+                delete_files(self.table.io, [f.file_path for f in data_files])
             raise
 
     def _commit_checkpoint(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> CheckpointResult:
@@ -347,6 +353,7 @@ class CdcWriter:
                 tx.remove_properties(*findings.removals())
             return tx
 
+        self._commit_stage = "committing"
         result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
         if fenced:
             self.table = result.table
@@ -355,6 +362,7 @@ class CdcWriter:
         if erased_meanwhile:
             self.table = result.table
             raise ErasedMeanwhile(self.spec.cdc_identifier, start)
+        self._commit_stage = "landed"
         crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
