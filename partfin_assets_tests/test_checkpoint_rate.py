@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, ledger_commit_stats, read_ledger
@@ -54,7 +53,6 @@ def replayed_from_ledger(ledger: pl.DataFrame, policy: WatermarkPolicy) -> list[
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: retention follows the commit clock: every checkpoint of the 30-minute window is kept")
 def test_fast_backlog_keeps_few_snapshots_and_the_same_watermarks(tmp_path):
     events, arrivals = backlog()
     path = tmp_path / "orders.jsonl"
