@@ -2,8 +2,10 @@
 
 Commit cost in PyIceberg grows with the snapshots kept in table metadata, so a
 streaming writer expires old snapshots as it goes. Never expired: the newest
-`keep_last` snapshots of main, each progress stream's policy window (its last X
-stats-bearing commits, or those of the last span of arrival), the newest checkpoint of every writer (its resume
+`keep_last` snapshots of main, the newest commits of each progress stream's policy window (its last X
+stats-bearing commits, or those of the last span of arrival; at most WINDOW_SNAPSHOTS of them, so what
+is kept is bounded by count whatever the commit rate: a policy whose window reaches further reads the rest
+from the late-data ledger, ingest/watermark_processor.py), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
 branch or tag points at (the upsert tags the CDC snapshot it merged, the finalization sensor each
 finalized hour of base). A tag or branch with `max-ref-age-ms` older than that (the age of the snapshot
@@ -29,6 +31,15 @@ from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats, source_clock_us
 
 log = logging.getLogger(__name__)
+
+# the most commits of a stream's policy window kept as snapshots: a writer checkpointing every second must not
+# keep (and rewrite with every commit's metadata) the 1,800 snapshots of a 30-minute window
+WINDOW_SNAPSHOTS = 20
+
+
+def window_retained(window: CommitWindow) -> bool:
+    """Whether expiry keeps all of `window` as snapshots (else the watermark reads the rest from the ledger)."""
+    return window.commits is not None and window.commits <= WINDOW_SNAPSHOTS
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
         writer = summary.get(K.WRITER_ID)
         stream = commit_stream(summary)
         taken = stats_seen.get(stream, 0)
-        if (window.commits is None or taken < window.commits) and commit_stats(summary) is not None:
+        if taken < min(window.commits or WINDOW_SNAPSHOTS, WINDOW_SNAPSHOTS) and commit_stats(summary) is not None:
             clock = source_clock_us(summary) or commit_clock_us(summary, snapshot.timestamp_ms)  # its arrival clock
             newest = newest_clock.setdefault(stream, clock)
             if window.holds(taken, clock, newest):
@@ -97,8 +108,8 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
         keep = {ref.snapshot_id for name, ref in table.metadata.refs.items() if name not in aged}
         keep |= {s.snapshot_id for s in list(lineage(table.metadata))[: retention.keep_last]}
     expired = [s for s in snapshots if s.snapshot_id not in keep]
-    if not expired and not aged:
-        return 0
+    if len(expired) < max(retention.slack, 1) and not aged:
+        return 0  # what the windows keep fills the slack: expire once `slack` more piled up, not on every commit
     if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired, aged)

@@ -12,7 +12,8 @@ import numpy as np
 from pyiceberg.expressions import EqualTo, GreaterThanOrEqual
 from pyiceberg.table.snapshots import Snapshot
 
-from partfin_assets.iceberg.history import applied_policy, late_records_total, stream_window, watermark_of
+from partfin_assets.iceberg.expiry import window_retained
+from partfin_assets.iceberg.history import StreamWindow, applied_policy, late_records_total, stream_window, watermark_of
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifier, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import active_streams, idle_timeout_us, progress_floor, streams_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -161,6 +162,9 @@ class WatermarkProcessor(CommitProcessor):
 
     def __init__(self, alert_hooks: list[Callable[[LateDataAlert], None]] | None = None) -> None:
         self.alert_hooks = alert_hooks if alert_hooks is not None else [log_late_data]
+        # per (table, stream, with digests): the stream's commits a window longer than what expiry keeps may reach,
+        # by snapshot id: read from the ledger once, then every retained commit seen added (before it can expire)
+        self._history: dict[tuple[str, str, bool], dict[int, CommitStats]] = {}
 
     def pre_commit(self, ctx: CommitContext) -> None:
         event_times: EventTimes = ctx.accumulated[EventTimeAccumulator.name]
@@ -222,7 +226,7 @@ class WatermarkProcessor(CommitProcessor):
                               writer_id=ctx.writer_id, stream_id=ctx.stream)
         retained = this_commit + found.commits
         if change is None or change.settled(policy.window, retained, found.boundary):
-            return retained
+            return retained if window_retained(policy.window) else self._with_history(ctx, policy, tolerance_us, this_commit, found)
         rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
                            row_filter=EqualTo("stream", ctx.stream))
         recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
@@ -243,6 +247,34 @@ class WatermarkProcessor(CommitProcessor):
             return None
         if change.effective_at_us is None:
             ctx.properties[K.PROP_WATERMARK_POLICY_CHANGE] = change.effective(ctx.clock_us).encode()
+        return window
+
+    def _with_history(self, ctx: CommitContext, policy: WatermarkPolicy, tolerance_us: int, this_commit: list[CommitStats],
+                      found: StreamWindow) -> list[CommitStats]:
+        """The window of a policy that reaches further back than expiry keeps snapshots (a span, a long count): the
+        retained commits, then the stream's older ones as the ledger recorded them (every checkpoint reaches it before
+        its snapshot can expire), read once per stream, then every retained commit seen added before it can expire."""
+        key = (ctx.table_name, ctx.stream, policy.needs_digest)
+        history = self._history.get(key)
+        retained = {c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None}
+        if history is None or (retained and history.keys().isdisjoint(retained)):
+            # first use, or another process committed on this stream meanwhile beyond what is retained (a fenced twin)
+            rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
+                               row_filter=EqualTo("stream", ctx.stream))
+            recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
+            history = self._history[key] = {c.snapshot_id: c for c in recorded}
+        history.update(retained)  # as the snapshots recorded them: the ledger has them once they expire
+        known = sorted(history.values(), key=lambda c: c.clock_us or 0, reverse=True)
+        newest = this_commit[0].arrival_clock_us
+        window = list(this_commit)
+        beyond = None
+        for commit in known:
+            if not policy.window.holds(len(window), commit.arrival_clock_us, newest):
+                beyond = commit
+                break
+            window.append(commit)
+        if beyond is not None and len(history) > 2 * len(window) + 64:  # forget what no window can reach any more
+            self._history[key] = {i: c for i, c in history.items() if (c.clock_us or 0) >= (beyond.clock_us or 0)}
         return window
 
     def _policy_change(self, ctx: CommitContext, policy: WatermarkPolicy) -> PolicyChange | None:

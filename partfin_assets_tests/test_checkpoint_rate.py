@@ -1,0 +1,90 @@
+"""A fast backlog of small checkpoints (`partfin ingest`, real process): the table keeps a bounded number
+of snapshots whatever the commit rate, and the watermarks and late counts are those the policy gives over
+the stream's whole history (the ledger), as if no snapshot had expired.
+
+The default policy (late-budget, still on its 30-minute fallback window: too little history to learn from)
+looks at every commit of the last 30 minutes of arrival; here that is ~50 checkpoints, each of which used
+to be kept as a snapshot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, ledger_commit_stats, read_ledger
+from partfin_assets.ingest.watermark_policy import LATE_BUDGET, WatermarkPolicy, advance
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
+from partfin_assets.model.timeutil import floor_hour_us
+from partfin_assets_tests.cdc_files import orders_lines, write_lines
+from partfin_assets_tests.scenario_helpers import ms, partfin
+
+RECORDS, PER_CHECKPOINT = 1200, 4
+SNAPSHOT_BOUND = 40  # keep_last + slack + a bounded window per stream, with room; below the ~50 commits of the window
+
+
+def backlog(seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """Arrivals over 3 hours; event times a few minutes behind, one record in 40 nearly an hour more, and three
+    records 4 hours behind: below the watermark when they come (late)."""
+    rng = np.random.default_rng(seed)
+    arrival = ms("2024-05-01T10:00:00Z") + np.arange(RECORDS, dtype=np.int64) * 9_000
+    lag = rng.integers(0, 10 * 60_000, RECORDS)
+    lag[rng.random(RECORDS) < 1 / 40] += 50 * 60_000
+    lag[[900, 1000, 1100]] = 4 * 3_600_000
+    return arrival - lag, arrival
+
+
+def replayed_from_ledger(ledger: pl.DataFrame, policy: WatermarkPolicy) -> list[int | None]:
+    """The watermark after each checkpoint, from the stream's whole recorded history (nothing expired)."""
+    commits = ledger_commit_stats(ledger, 5 * 60_000_000)
+    watermark, out = None, []
+    for position, this in enumerate(commits):
+        newest = this.arrival_clock_us
+        window = [this]
+        for older in reversed(commits[:position]):
+            if not policy.window.holds(len(window), older.arrival_clock_us, newest):
+                break
+            window.append(older)
+        candidate = policy.candidate_us(window)
+        watermark = advance(watermark, None if candidate is None else min(candidate, floor_hour_us(this.clock_us)))
+        out.append(watermark)
+    return out
+
+
+def test_fast_backlog_keeps_few_snapshots_and_the_same_watermarks(tmp_path):
+    events, arrivals = backlog()
+    path = tmp_path / "orders.jsonl"
+    write_lines(path, orders_lines(events.tolist(), arrivals.tolist()))
+    home = tmp_path / "home"
+    # two runs: the second resumes mid-window, with the window's older commits only in the ledger
+    for stop in (["--max-checkpoints", "150"], []):
+        done = partfin(home, "ingest", "--table", "orders", "--source", f"debezium:{path}", "--primary-key", "id",
+                       "--checkpoint-records", str(PER_CHECKPOINT), *stop, timeout=900)
+        assert done.returncode == 0, done.stderr
+
+    catalog = load_partfin_catalog(home, create=False)
+    table = catalog.load_table("cdc.orders")
+    policy = WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY, DEFAULT_WATERMARK_POLICY))
+    assert policy.kind == LATE_BUDGET and '"delay-s":null' in table.properties[K.PROP_LATE_BUDGET_LEARNED]  # on its fallback
+
+    ledger = read_ledger(catalog, "cdc.orders").sort("checkpoint_id")
+    checkpoints = ledger.group_by("checkpoint_id", maintain_order=True).agg(
+        pl.col("watermark").first(), pl.col("late_records").sum(), pl.col("records").sum())
+    assert checkpoints.height == RECORDS // PER_CHECKPOINT and int(checkpoints["records"].sum()) == RECORDS
+
+    # the watermarks recorded are the policy's over the whole history ...
+    expected = replayed_from_ledger(ledger.select(COMMIT_STATS_COLUMNS), policy)
+    recorded = [None if w is None else int(w.timestamp() * 1_000_000) for w in checkpoints["watermark"].to_list()]
+    assert recorded == expected
+    assert len({w for w in expected if w is not None}) >= 2  # it moved across hours: the test can tell windows apart
+    # ... and each checkpoint counted as late exactly its records below the watermark in force before it
+    before = [None, *expected[:-1]]
+    late = [int(np.sum(events[i * PER_CHECKPOINT:(i + 1) * PER_CHECKPOINT] * 1000 < w)) if w is not None else 0
+            for i, w in enumerate(before)]
+    assert checkpoints["late_records"].to_list() == late
+    assert sum(late) > 0
+
+    # ... while the table kept a bounded number of snapshots
+    assert len(table.metadata.snapshots) <= SNAPSHOT_BOUND, len(table.metadata.snapshots)
