@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import getpass
 import json
 import logging
@@ -22,12 +21,11 @@ from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
-from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy
-from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
+from partfin_assets.ingest.session import IngestSession, check_declaration, resolve_spec
+from partfin_assets.ingest.writer import CheckpointResult
 from partfin_assets.jobs import compaction
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.jobs.conflicts import CommitConflictError
@@ -42,9 +40,9 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import EXIT_BUG, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
-from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec, check_table_name
+from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
-from partfin_assets.sources.registry import make_source, source_kind, source_table_spec
+from partfin_assets.sources.registry import make_source
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -231,58 +229,21 @@ class _RedactingFormatter(logging.Formatter):
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    if args.watermark_policy is not None:
-        WatermarkPolicy.parse(args.watermark_policy)  # a bad one is refused before the catalog is touched
+    check_declaration(args.source, args.watermark_policy)  # refused before any catalog is touched
     config = CatalogConfig.from_env()
     existing = config.load() if config.exists() else None  # a refused ingest creates no catalog
-    spec = _ingest_spec(existing, args)
+    spec = resolve_spec(existing, args.table, args.source, primary_key=args.primary_key, watermark_policy=args.watermark_policy,
+                        complete=not args.follow)
     source = make_source(args.source, spec, primary_key=args.primary_key, complete=not args.follow, **({"follow": True} if args.follow else {}))
     catalog = existing if existing is not None else config.load(create=True)
-    writer = CdcWriter(catalog, spec, writer_id=args.writer_id, subtasks=args.subtasks)
     progress = _Progress(spec.cdc_identifier)
     try:
-        for result in writer.run(source, max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints):
-            progress.update(result)
-    except KeyboardInterrupt:  # --follow ends with Ctrl-C: the columns its messages declared are kept all the same
-        _record_discovered_columns(catalog, spec, source)
-        raise
+        with IngestSession(catalog, spec, source, writer_id=args.writer_id, subtasks=args.subtasks) as session:
+            for result in session.run(max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints):
+                progress.update(result)
     finally:
-        writer.close()
         progress.close()
-        close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
-        if close is not None:
-            close()
-    _record_discovered_columns(catalog, spec, source)
     return 0
-
-
-def _ingest_spec(catalog, args: argparse.Namespace) -> TableSpec:
-    """The table's declaration: the one stored with cdc.<table>, else (no such table, or no catalog yet: None)
-    the source's own or --primary-key."""
-
-    source_kind(args.source)  # an unknown kind is refused before the catalog is touched
-    identifier = f"cdc.{args.table}"
-    policy = args.watermark_policy
-    if policy is not None:
-        policy = str(WatermarkPolicy.parse(policy))
-    if catalog is not None and catalog.table_exists(identifier):
-        spec = TableSpec.from_properties(args.table, catalog.load_table(identifier).properties)
-        if policy is not None and policy != spec.watermark_policy:  # its first checkpoint records the change
-            set_table_properties(catalog, identifier, {K.PROP_WATERMARK_POLICY: policy})
-            spec = dataclasses.replace(spec, watermark_policy=policy)
-        return spec
-    spec = source_table_spec(args.source, args.table, args.primary_key, complete=not args.follow)
-    return spec if policy is None else dataclasses.replace(spec, watermark_policy=policy)
-
-
-def _record_discovered_columns(catalog, spec: TableSpec, source) -> None:
-    """Column types found in a Debezium envelope complete a declaration that named only the key."""
-    discover = getattr(source, "column_types", None)
-    columns = discover() if discover is not None else None
-    if spec.columns or not columns:
-        return
-    declared = {K.PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[K.PROP_COLUMNS]}
-    set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
 
 
 class _Progress:

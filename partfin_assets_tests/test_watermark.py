@@ -15,7 +15,7 @@ from partfin_assets.iceberg.files import conform_rows
 from partfin_assets.iceberg.history import watermark_history
 from partfin_assets.iceberg.streams import retire_stream
 from partfin_assets.ingest.extensions import CommitProcessor
-from partfin_assets.ingest.watermark_policy import BUDGET_FALLBACK_WINDOW, PolicyError, WatermarkPolicy
+from partfin_assets.ingest.watermark_policy import BUDGET_FALLBACK_WINDOW, PolicyError, WatermarkPolicy, table_policy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
@@ -44,12 +44,16 @@ def wm(hours: int) -> str:
         ("percentile:0.001:last:3", WatermarkPolicy("percentile", CommitWindow(commits=3), quantile=0.001)),
         ("percentile:0.001:last:2h", WatermarkPolicy("percentile", CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
         ("late-budget:0.001", WatermarkPolicy("late-budget", BUDGET_FALLBACK_WINDOW, budget=0.001)),
-        (None, WatermarkPolicy.parse(DEFAULT_WATERMARK_POLICY)),
     ],
 )
 def test_policy_parses(text, expected):
     assert WatermarkPolicy.parse(text) == expected
     assert WatermarkPolicy.parse(str(expected)) == expected
+
+
+def test_a_table_without_a_policy_property_runs_the_default():
+    assert table_policy({}) == WatermarkPolicy.parse(DEFAULT_WATERMARK_POLICY)
+    assert table_policy({K.PROP_WATERMARK_POLICY: "min-of-last:3"}) == WatermarkPolicy("min-of-last", CommitWindow(commits=3))
 
 
 @pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3",

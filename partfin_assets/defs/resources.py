@@ -5,8 +5,7 @@ resolves it when a run starts, and the UI shows the variable's name, never its v
 URI and the source spec carry passwords).
 """
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 
 from dagster import ConfigurableResource, EnvVar
 from pyiceberg.catalog import Catalog
@@ -46,19 +45,6 @@ class CdcSourceResource(ConfigurableResource):
     def open(self, table) -> CdcSource:
         with self.redacted():
             return make_source(self.source or table.source, table.spec)
-
-    @contextmanager
-    def reading(self, table) -> Iterator[CdcSource]:
-        """The table's source, open while the block runs (its errors redacted), closed after it (e.g. a Kafka consumer
-        leaves its group at once)."""
-        with self.redacted():  # a source may fail with its DSN in the message
-            source = self.open(table)
-            try:
-                yield source
-            finally:
-                close = getattr(source, "close", None)
-                if close is not None:
-                    close()
 
     def redacted(self) -> AbstractContextManager[None]:
         """Errors raised inside show the source's password masked (reading a source may fail with its DSN in the message)."""

@@ -25,7 +25,7 @@ from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
-from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.timeutil import from_us, iso_z
 
 
@@ -66,7 +66,7 @@ def finalization_picture(catalog: Catalog, name: str) -> FinalizationPicture:
     )
     steps = list(zip(steps_frame["commit_time"].to_list(), steps_frame["watermark"].to_list()))
     hours = ledger.filter(pl.col("hour").is_not_null())["hour"].dt.epoch("us").unique().to_list()
-    return FinalizationPicture(name, cdc.properties.get(K.PROP_WATERMARK_POLICY), watermark, steps, hour_truths(ledger, hours, watermark))
+    return FinalizationPicture(name, WATERMARK_POLICY.text(cdc.properties), watermark, steps, hour_truths(ledger, hours, watermark))
 
 
 def _lags(picture: FinalizationPicture) -> list[float | None]:

@@ -16,6 +16,7 @@ from partfin_assets.iceberg.history import lineage, summary_of, total_records, w
 from partfin_assets.iceberg.tables import bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import BrokenTable
 from partfin_assets.model.tablespec import COMPANION_SUFFIXES, REJECTED_SUFFIX
 from partfin_assets.model.timeutil import iso_z, now_utc, to_us
@@ -79,7 +80,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         name=identifier,
         layer=identifier.split(".")[0],
         watermark=watermark,
-        policy=properties.get(K.PROP_WATERMARK_POLICY),
+        policy=WATERMARK_POLICY.text(properties),
         checkpoint_id=checkpoint_id,
         finalized_through=iso_z(finalized_through(watermark_of(properties))) if watermark else None,
         late_records=sum(h.records for h in late.values()),

@@ -34,15 +34,15 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction
 from partfin_assets.iceberg.files import read_files
-from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import floor_hour_us, from_us, parse_duration, to_us
+from partfin_assets.model.table_options import FINALIZED_TAG_MAX_AGE
+from partfin_assets.model.timeutil import floor_hour_us, from_us, to_us
 
 log = logging.getLogger(__name__)
 
 TAG_PREFIX = "finalized-"
 _TAG_HOUR_FORMAT = "%Y-%m-%d-%H"  # UTC
 _TAG = re.compile(r"^finalized-(\d{4}-\d{2}-\d{2}-\d{2})(?:-amend-(\d+))?$")
-DEFAULT_TAG_MAX_AGE = timedelta(days=7)
+DEFAULT_TAG_MAX_AGE = timedelta(microseconds=FINALIZED_TAG_MAX_AGE.default_value)
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,7 @@ def finalized_tags(table: Table) -> list[FinalizedTag]:
 
 
 def tag_max_age_ms(table: Table) -> int:
-    configured = table.properties.get(K.PROP_FINALIZED_TAG_MAX_AGE)
-    return int((parse_duration(configured) if configured else DEFAULT_TAG_MAX_AGE) / timedelta(milliseconds=1))
+    return FINALIZED_TAG_MAX_AGE.read(table.properties) // 1000
 
 
 @dataclass(frozen=True)

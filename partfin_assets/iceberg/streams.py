@@ -51,11 +51,12 @@ from pyiceberg.table.metadata import TableMetadata
 from partfin_assets.iceberg.commit import commit_with_retry, new_transaction, set_table_properties
 from partfin_assets.iceberg.history import last_writer_position
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import STREAMS_IDLE_TIMEOUT
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.stats import compact_json
-from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
+from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso, to_us
 
-DEFAULT_IDLE_TIMEOUT = timedelta(minutes=15)
+DEFAULT_IDLE_TIMEOUT = timedelta(microseconds=STREAMS_IDLE_TIMEOUT.default_value)
 ACTIVE, RETIRED = "active", "retired"
 
 
@@ -146,9 +147,7 @@ def streams_of(properties: Mapping[str, str]) -> dict[str, Stream]:
 
 
 def idle_timeout_us(properties: Mapping[str, str]) -> int:
-    text = properties.get(K.PROP_STREAMS_IDLE_TIMEOUT)
-    timeout = parse_duration(text) if text else DEFAULT_IDLE_TIMEOUT
-    return int(timeout.total_seconds() * US_PER_SECOND)
+    return STREAMS_IDLE_TIMEOUT.read(properties)
 
 
 def active_streams(streams: Mapping[str, Stream], writer_id: str | None, clock_us: int, idle_timeout: int) -> dict[str, Stream]:

@@ -50,6 +50,7 @@ from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_manag
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.iceberg.reserved_names import is_reserved
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
 from partfin_assets.model.tablespec import LEDGER_SUFFIX, TableSpec
 
@@ -121,7 +122,7 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
         spec.cdc_identifier,
         CDC_SCHEMA,
         CDC_PARTITION_SPEC,
-        {**MANAGED_TABLE_PROPERTIES, K.PROP_WATERMARK_POLICY: spec.watermark_policy, **spec.to_properties()},
+        {**MANAGED_TABLE_PROPERTIES, WATERMARK_POLICY.key: WATERMARK_POLICY.default, **spec.to_properties()},  # the declared policy, else the default
     )
     create_if_absent(catalog, spec.rejected_identifier, REJECTED_SCHEMA, PartitionSpec(), {**MANAGED_TABLE_PROPERTIES, **NO_COLUMN_BOUNDS})
     ensure_ledger_table(catalog, spec.cdc_identifier)

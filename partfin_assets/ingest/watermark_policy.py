@@ -18,15 +18,18 @@ policy lab (jobs/policy_lab.py) both call `candidate_us`, `learn_delay` and `adv
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
+from pyiceberg.catalog import Catalog
 
+from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats, CommitWindow, EventTimeStats
-from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_duration
 
 MIN_OF_LAST, PERCENTILE, LATE_BUDGET = "min-of-last", "percentile", "late-budget"
@@ -37,6 +40,8 @@ LEARN_HISTORY_US = 7 * 24 * US_PER_HOUR  # ... and at most this long before that
 LEARN_REFRESH_US = 15 * 60 * US_PER_SECOND  # the learned delay is recomputed from the ledger this often
 LEARN_STEP_S = 60  # the delay is learned on a one-minute grid
 LEARN_MAX_DELAY_S = 48 * 3600
+
+log = logging.getLogger(__name__)
 
 
 class PolicyError(InvalidInput):
@@ -66,8 +71,9 @@ class WatermarkPolicy:
     budget: float | None = None  # late-budget: share of records accepted arriving after finalization
 
     @classmethod
-    def parse(cls, spec: str | None) -> WatermarkPolicy:
-        text = (spec or DEFAULT_WATERMARK_POLICY).strip()
+    def parse(cls, spec: str) -> WatermarkPolicy:
+        """The one parser of a policy text (a table's: `table_policy`)."""
+        text = spec.strip()
         parts = text.split(":")
         try:
             if parts[0] == MIN_OF_LAST and len(parts) == 2:
@@ -126,6 +132,29 @@ class WatermarkPolicy:
         if with_records:
             lows = lows + [EventTimeStats.merge_all(with_records).quantile_us(self.quantile)]
         return floor_hour_us(min(lows))
+
+
+def table_policy(properties: Mapping[str, str]) -> WatermarkPolicy:
+    """The policy in force on a table: its property (model/table_options.py; the default when unset)."""
+    return WatermarkPolicy.parse(WATERMARK_POLICY.read(properties))
+
+
+def declare_policy(catalog: Catalog, identifier: str, declared: str | None) -> str:
+    """Make a declared policy the one in force on an existing table; returns the one in force.
+
+    None (nothing declared) keeps the table's. A declaration that differs sets the property: the
+    first checkpoint under it records the change (partfin.watermark-policy.change, ingest/watermark_processor.py),
+    whoever declared it: `partfin ingest --watermark-policy`, a sync run's table declaration, a writer's spec.
+    """
+    properties = catalog.load_table(identifier).properties
+    if declared is None:
+        return str(table_policy(properties))
+    policy = str(WatermarkPolicy.parse(declared))
+    if policy != WATERMARK_POLICY.text(properties):
+        log.warning("%s: watermark policy declared %s (was %s): it takes effect with the next checkpoint", identifier, policy,
+                    WATERMARK_POLICY.text(properties))
+        set_table_properties(catalog, identifier, {WATERMARK_POLICY.key: policy})
+    return policy
 
 
 def advance(previous_us: int | None, candidate_us: int | None) -> int | None:

@@ -20,10 +20,12 @@ from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
 from partfin_assets.ingest.watermark_policy import (
     LATE_BUDGET, LEARN_COLUMNS, LEARN_HISTORY_US, LEARN_MATURITY_US, LearnedDelay, PolicyError, WatermarkPolicy, advance, learn_delay,
+    table_policy,
 )
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import FUTURE_TOLERANCE
 from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json, hour_bounds, suspect_future
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_duration, parse_iso, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,12 @@ def records_by_hour(sorted_event_time_us: np.ndarray) -> dict[str, int]:
     return {iso_z(floor_hour_us(sorted_event_time_us[start])): end - start for start, end in zip(bounds, bounds[1:])}
 
 
-DEFAULT_FUTURE_TOLERANCE = timedelta(minutes=5)
+DEFAULT_FUTURE_TOLERANCE = timedelta(microseconds=FUTURE_TOLERANCE.default_value)
 
 
 def future_tolerance_us(properties: Mapping[str, str]) -> int:
     """How far past the commit's clock an event time is still plausible (`partfin.event-time.future-tolerance`)."""
-    text = properties.get(K.PROP_FUTURE_TOLERANCE)
-    return int((parse_duration(text) if text else DEFAULT_FUTURE_TOLERANCE).total_seconds() * US_PER_SECOND)
+    return FUTURE_TOLERANCE.read(properties)
 
 
 def suspect_future_entry(sorted_event_time_us: np.ndarray, heartbeat_us: int | None, clock_us: int, tolerance_us: int) -> dict:
@@ -169,7 +170,7 @@ class WatermarkProcessor(CommitProcessor):
     def pre_commit(self, ctx: CommitContext) -> None:
         event_times: EventTimes = ctx.accumulated[EventTimeAccumulator.name]
         metadata = ctx.table.metadata
-        policy = WatermarkPolicy.parse(metadata.properties.get(K.PROP_WATERMARK_POLICY))
+        policy = table_policy(metadata.properties)
         previous = watermark_of(metadata.properties)
         change = self._policy_change(ctx, policy)
         ctx.summary[K.WATERMARK_POLICY_APPLIED] = str(policy)

@@ -47,7 +47,7 @@ from partfin_assets.iceberg.streams import (
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy, declare_policy, table_policy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasures, redact_raw_lines, without_erased
@@ -168,7 +168,11 @@ class CdcWriter:
                 raise ValueError(f"{type(processor).__name__} needs accumulator(s) {missing}; register them with the writer")
         self.heartbeat_interval_us = int(heartbeat_interval_s * 1_000_000)
         self.clock = clock
+        if spec.watermark_policy is not None:  # a bad declaration is refused before any table is created
+            spec = replace(spec, watermark_policy=str(WatermarkPolicy.parse(spec.watermark_policy)))
         ensure_cdc_tables(catalog, spec)
+        # the policy in force: the table's, or the declared one that differs, taking effect now as a recorded change
+        self.spec = replace(spec, watermark_policy=declare_policy(catalog, spec.cdc_identifier, spec.watermark_policy))
         # the writer's progress stream holds the watermark from now on (iceberg/streams.py)
         self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
         self._take_position(writer_position(self.table.metadata, self.writer_id))
@@ -494,7 +498,7 @@ class CdcWriter:
         return None
 
     def _policy_window(self) -> CommitWindow:
-        return WatermarkPolicy.parse(self.table.properties.get(K.PROP_WATERMARK_POLICY)).window
+        return table_policy(self.table.properties).window
 
     # ---- running a source
 

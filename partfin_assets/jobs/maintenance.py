@@ -23,7 +23,7 @@ from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.tables import ledger_identifier
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy
+from partfin_assets.ingest.watermark_policy import table_policy
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitWindow
 from partfin_assets.model.tablespec import TableSpec
@@ -35,7 +35,7 @@ def policy_window(table: Table) -> CommitWindow:
     """The window of the table's watermark policy (the last commit for tables without one, e.g. base.<table>)."""
     if K.PROP_WATERMARK_POLICY not in table.properties:
         return CommitWindow(commits=1)
-    return WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY)).window
+    return table_policy(table.properties).window
 
 
 def expire_table_snapshots(catalog, identifier: str, retention: Retention | None = None) -> int:

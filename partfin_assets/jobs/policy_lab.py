@@ -36,7 +36,7 @@ from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, C
 from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
 from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LEARN_MATURITY_US, LearnedDelay, WatermarkPolicy, advance, learn_delay
 from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
-from partfin_assets.model import summary_keys as K
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_iso, to_us
@@ -340,7 +340,7 @@ def measured_policy(catalog: Catalog, table: str) -> Outcome | None:
         data = recorded(rows, table)
     except InvalidInput:
         return None
-    policy = catalog.load_table(f"cdc.{table}").properties.get(K.PROP_WATERMARK_POLICY, "-")
+    policy = WATERMARK_POLICY.text(catalog.load_table(f"cdc.{table}").properties)
     return Lab(data).recorded(policy)
 
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from partfin_assets.model.errors import InvalidInput
-from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY, PROP_WATERMARK_POLICY
+from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY
+from partfin_assets.model.table_options import WATERMARK_POLICY
 
-DEFAULT_WATERMARK_POLICY = "late-budget:0.001"
+DEFAULT_WATERMARK_POLICY = WATERMARK_POLICY.default
 # partfin's companion tables of cdc.<t> and base.<t>: cdc.<t>__rejected, cdc.<t>__ledger, cdc.<t>__erasures,
 # base.<t>__rejected
 REJECTED_SUFFIX = "__rejected"
@@ -98,7 +99,9 @@ class TableSpec:
     primary_key: tuple[str, ...]
     # Typed columns of base.<name> (primary key included), mapped from the CDC payload.
     columns: dict[str, pa.DataType] = field(default_factory=dict)
-    watermark_policy: str = DEFAULT_WATERMARK_POLICY
+    # None: not declared (a new table gets the default; an existing one keeps its own). A declaration that differs
+    # from the table's takes effect with the next writer, as a recorded policy change (ingest/watermark_policy.py).
+    watermark_policy: str | None = None
 
     def __post_init__(self) -> None:
         check_table_name(self.name)
@@ -111,9 +114,12 @@ class TableSpec:
             )
 
     def to_properties(self) -> dict[str, str]:
+        """The declaration as table properties; `from_properties` reads it back whole."""
+        declared = {WATERMARK_POLICY.key: self.watermark_policy} if self.watermark_policy is not None else {}
         return {
             PROP_PRIMARY_KEY: ",".join(self.primary_key),
             PROP_COLUMNS: json.dumps({n: type_to_text(t) for n, t in self.columns.items()}, separators=(",", ":")),
+            **declared,
         }
 
     @classmethod
@@ -125,7 +131,7 @@ class TableSpec:
             name=name,
             primary_key=tuple(properties[PROP_PRIMARY_KEY].split(",")),
             columns={n: type_from_text(t) for n, t in columns.items()},
-            watermark_policy=properties.get(PROP_WATERMARK_POLICY, DEFAULT_WATERMARK_POLICY),
+            watermark_policy=properties.get(WATERMARK_POLICY.key),  # partfin writes it with every cdc table
         )
 
     @property

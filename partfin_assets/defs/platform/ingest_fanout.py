@@ -29,6 +29,7 @@ from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.streams import CommittedPosition
 from partfin_assets.ingest.extensions import Accumulator
+from partfin_assets.ingest.session import IngestSession
 from partfin_assets.ingest.writer import CdcWriter, PreparedCheckpoint, WriterFenced, WrittenShare, write_share
 from partfin_assets.model.errors import one_line
 from partfin_assets.testing.faults import crash_point, fail_point
@@ -79,16 +80,12 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
     @op(name=f"plan_ingest_{name}", out={"plan": Out(IngestPlan), "shares": DynamicOut(ShareTask)}, tags={"kind": "iceberg"})
     def plan(context: OpExecutionContext, config: IngestFanoutConfig, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource):
         """Read up to `max_checkpoints` batches from the writer's committed position; one output per share (of every batch)."""
-        writer = _writer(catalog.load(), table, cdc_source)
-        try:
-            with cdc_source.reading(table) as source:
-                on_committed = getattr(source, "on_committed", None)
-                if on_committed is not None and writer.resume_offset is not None:
-                    on_committed(writer.resume_offset)  # e.g. a replication slot may move to what is committed
-                start = writer.position
-                checkpoints = writer.read_checkpoints(source, max_records=config.max_records, max_checkpoints=config.max_checkpoints)
-        finally:
-            writer.close()
+        # the ingest session of `partfin ingest` and sync_<table> (ingest/session.py), on the same writer id
+        with cdc_source.redacted(), IngestSession(catalog.load(), table.spec, cdc_source.open(table),
+                                                  heartbeat_interval_s=cdc_source.heartbeat_interval_seconds) as session:
+            writer = session.writer
+            start = writer.position
+            checkpoints = session.read_checkpoints(max_records=config.max_records, max_checkpoints=config.max_checkpoints)
         records = sum(c.records.num_rows for c in checkpoints)
         context.log.info(f"{len(checkpoints)} batch(es), {records} record(s) from checkpoint {start.checkpoint_id} of "
                          f"{writer.writer_id}, in {config.shares} share(s) each")

@@ -54,10 +54,12 @@ from partfin_assets.iceberg.catalog import CatalogConfig
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
+from partfin_assets.ingest.session import IngestSession
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.errors import first_line
+from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
 
 REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
@@ -78,7 +80,7 @@ def build_platform_assets(table: PartfinTable):
             AssetSpec(
                 table.cdc_key, skippable=True, group_name="platform", owners=[table.platform_owner], kinds={"iceberg"},
                 tags={"partfin/table": name},
-                metadata={"iceberg_table": f"cdc.{name}", "watermark_policy": table.spec.watermark_policy,
+                metadata={"iceberg_table": f"cdc.{name}",
                           # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
                           "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
                 description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). Written by the "
@@ -211,28 +213,21 @@ def _previous_finalized_at(context: AssetExecutionContext, key, hours: list[int]
 def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, iceberg, cdc_source: CdcSourceResource) -> None:
     """Run the CDC writer: up to N checkpoints, one Iceberg commit each, from the committed offset; then report
     every hour they touched or finalized with the hour's totals, and evaluate the cdc checks."""
-    writer = CdcWriter(
-        iceberg,
-        table.spec,
-        writer_id=None,  # <table>-writer, as `partfin ingest`: one source position per table
-        subtasks=cdc_source.subtasks,
-        heartbeat_interval_s=cdc_source.heartbeat_interval_seconds,
-    )
-    watermark_before = watermark_of(writer.table.properties)
     touched: set[int] = set()
     checkpoints = 0
-    try:
-        with cdc_source.reading(table) as source:
-            started = time.monotonic()
-            for result in writer.run(source, max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
-                checkpoints += 1
-                if time.monotonic() - started > cdc_source.max_seconds_per_run:
-                    context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
-                    break
-                if result.snapshot_id is not None:
-                    touched.update(report_checkpoint(context, table, writer, result))
-    finally:
-        writer.close()  # records the pending checkpoints in the ledger
+    # <table>-writer, as `partfin ingest`: one source position per table; the table's declared policy takes effect
+    with cdc_source.redacted(), IngestSession(iceberg, table.spec, cdc_source.open(table), subtasks=cdc_source.subtasks,
+                                              heartbeat_interval_s=cdc_source.heartbeat_interval_seconds) as session:
+        writer = session.writer
+        watermark_before = watermark_of(writer.table.properties)
+        started = time.monotonic()
+        for result in session.run(max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
+            checkpoints += 1
+            if time.monotonic() - started > cdc_source.max_seconds_per_run:
+                context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
+                break
+            if result.snapshot_id is not None:
+                touched.update(report_checkpoint(context, table, writer, result))
     report_ingest(context, table, iceberg, writer, watermark_before, touched, checkpoints)
 
 
@@ -253,6 +248,7 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
     """After a run's checkpoints: every hour they touched or finalized with the hour's totals, the table's watermark
     and late data, and the cdc checks."""
     watermark = watermark_of(writer.table.properties)
+    policy = WATERMARK_POLICY.text(writer.table.properties)  # in force: the table's, whatever was declared
     now_us = to_us(now_utc())
     ledger = read_ledger(iceberg, table.spec.cdc_identifier)
     hours = touched | set(newly_final_hours(watermark_before, watermark, table.start_us))
@@ -263,6 +259,7 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
             asset_key=table.cdc_key,
             metadata={
                 "watermark": _iso(watermark),
+                "watermark_policy": policy,
                 "watermark_lag_seconds": lag_seconds(watermark, now_us),
                 "checkpoints_this_run": checkpoints,
                 "late_records_total": sum(h.records for h in late.values()),
@@ -270,7 +267,8 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
             },
         )
     )
-    logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us, {"watermark": _iso(watermark)})
+    logged = _log_hours(context, table, table.cdc_key, hour_truths(ledger, hours, watermark), now_us,
+                        {"watermark": _iso(watermark), "watermark_policy": policy})
     _log_events(context, checks)
     context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
 

@@ -1,0 +1,102 @@
+"""One ingest session, as `partfin ingest`, the `sync_<table>` job and `ingest_<table>_fanout` all run it.
+
+1. the table's declaration: the one stored with cdc.<table> (a declared watermark policy replaces
+   its policy), else the source's own or the given primary key (`resolve_spec`);
+2. the CDC writer on it: a declared policy that differs from the table's takes effect as a recorded
+   policy change (CdcWriter -> ingest/watermark_policy.py `declare_policy`); the session's `spec` is
+   what is in force;
+3. the source is read from the writer's committed position (`run`, or `read_checkpoints` for the fan-out);
+4. at the end, even on Ctrl-C: the writer closes (pending checkpoints reach the ledger), the column
+   types the source discovered complete a declaration that named only the key, and the source
+   closes (e.g. a Kafka consumer leaves its group at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from pyiceberg.catalog import Catalog
+
+from partfin_assets.iceberg.commit import set_table_properties
+from partfin_assets.ingest.watermark_policy import WatermarkPolicy
+from partfin_assets.ingest.writer import CdcWriter, CheckpointResult, PreparedCheckpoint
+from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.sources.registry import source_kind, source_table_spec
+
+
+def check_declaration(source_text: str, watermark_policy: str | None) -> None:
+    """Refuse an unknown source kind or a bad policy before any catalog is touched."""
+    source_kind(source_text)
+    if watermark_policy is not None:
+        WatermarkPolicy.parse(watermark_policy)
+
+
+def resolve_spec(catalog: Catalog | None, table: str, source_text: str, *, primary_key: str | None = None,
+                 watermark_policy: str | None = None, complete: bool = True) -> TableSpec:
+    """The table's declaration: the one stored with cdc.<table>, else (no such table, or no catalog yet: None) the
+    source's own or `primary_key`; a given `watermark_policy` is declared on it (the writer makes it the one in force)."""
+    check_declaration(source_text, watermark_policy)
+    identifier = f"cdc.{table}"
+    if catalog is not None and catalog.table_exists(identifier):
+        spec = TableSpec.from_properties(table, catalog.load_table(identifier).properties)
+    else:
+        spec = source_table_spec(source_text, table, primary_key, complete=complete)
+    return spec if watermark_policy is None else dataclasses.replace(spec, watermark_policy=watermark_policy)
+
+
+def record_discovered_columns(catalog: Catalog, spec: TableSpec, source) -> None:
+    """Column types found in a Debezium envelope complete a declaration that named only the key."""
+    discover = getattr(source, "column_types", None)
+    columns = discover() if discover is not None else None
+    if spec.columns or not columns:
+        return
+    declared = {K.PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[K.PROP_COLUMNS]}
+    set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
+
+
+def close_source(source) -> None:
+    close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
+    if close is not None:
+        close()
+
+
+class IngestSession:
+    """A CDC writer on `spec` reading `source` (opened by the caller, closed by the session). Use as a context manager."""
+
+    def __init__(self, catalog: Catalog, spec: TableSpec, source, **writer_options) -> None:
+        self.catalog = catalog
+        self.source = source
+        try:
+            self.writer = CdcWriter(catalog, spec, **writer_options)
+        except BaseException:
+            close_source(source)
+            raise
+
+    @property
+    def spec(self) -> TableSpec:
+        """The declaration in force (its watermark policy: the table's)."""
+        return self.writer.spec
+
+    def run(self, *, max_records: int, max_checkpoints: int | None = None) -> Iterator[CheckpointResult]:
+        return self.writer.run(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
+
+    def read_checkpoints(self, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
+        """Batches for other processes to write and a committer to commit (the fan-out); the source is first told
+        what is committed (`run` tells it after each commit)."""
+        on_committed = getattr(self.source, "on_committed", None)
+        if on_committed is not None and self.writer.resume_offset is not None:
+            on_committed(self.writer.resume_offset)  # e.g. a replication slot may move to what is committed
+        return self.writer.read_checkpoints(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
+
+    def __enter__(self) -> IngestSession:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.writer.close()  # records the pending checkpoints in the ledger
+            if exc_type is None or issubclass(exc_type, KeyboardInterrupt):  # --follow ends with Ctrl-C: the columns are kept
+                record_discovered_columns(self.catalog, self.spec, self.source)
+        finally:
+            close_source(self.source)
