@@ -2,8 +2,8 @@
 
 An asset page lists a sensor when the sensor's asset selection includes the asset, or when it targets
 an asset job that materializes it (RemoteRepository.get_sensors_targeting). So the sync sensor must
-drive a real asset run of cdc/<table> and base/<table>, and the finalization sensor must target
-finalized/<table> and the downstream asset.
+drive a real asset run of cdc_<table> and base_<table>, and the finalization sensor must target
+finalized_<table> and the downstream asset.
 """
 
 from __future__ import annotations

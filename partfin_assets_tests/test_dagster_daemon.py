@@ -3,7 +3,7 @@
 The test drives the stream itself (CDC writer + upsert in this process, sync sensor off),
 runs the daemon, stops it mid-way while more hours finalize, restarts it, and checks:
 one successful downstream run per finalized hour, none for unfinalized hours, one
-`finalized/orders` event per finalized hour, and a run that failed once was retried
+`finalized_orders` event per finalized hour, and a run that failed once was retried
 (bounded, via run retries in dagster.yaml) without ever duplicating a success, reading the
 same base snapshot. Late records that reached an hour already final give an amendment event
 and one re-run of that hour, reading the snapshot the amendment names.
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(420)
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 DOWNSTREAM = {"partfin/downstream": "orders"}  # the finalization sensor's runs: runs of the downstream asset
-FINALIZED = AssetKey(["finalized", "orders"])
+FINALIZED = AssetKey("finalized_orders")
 FAIL_ONCE_HOUR = "2026-01-01-01:00"
 IN_FLIGHT = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
 

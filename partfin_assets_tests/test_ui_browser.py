@@ -29,24 +29,24 @@ from partfin_assets.finalization.read_points import AMENDMENT_TAG
 from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 from partfin_assets.testing import dagster_processes
 
-CDC, FINALIZED = AssetKey(["cdc", "orders"]), AssetKey(["finalized", "orders"])
+CDC, FINALIZED = AssetKey("cdc_orders"), AssetKey("finalized_orders")
 
 pytestmark = pytest.mark.timeout(420)
 
 SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster.md lists them too)
-    "1-asset-graph.png": "the asset graph upstream of activity/orders_hourly: platform, finalization, activity groups",
-    "2-cdc-hour-totals.png": "cdc/orders, the hour that finalized live: the whole hour's totals as partition metadata",
-    "3-cdc-checks.png": "cdc/orders checks on the latest materialization (late_data in WARN)",
+    "1-asset-graph.png": "the asset graph upstream of activity_orders_hourly: platform, finalization, activity groups",
+    "2-cdc-hour-totals.png": "cdc_orders, the hour that finalized live: the whole hour's totals as partition metadata",
+    "3-cdc-checks.png": "cdc_orders checks on the latest materialization (late_data in WARN)",
     "4-late-data-warn-history.png": "the late_data check's execution history: the WARN across sync runs",
-    "5-base-latest-event.png": "base/orders: an executable asset with its latest materialization",
-    "6-finalized-partitions.png": "finalized/orders: the finalized hours as materialized partitions",
-    "7-late-data-rerun.png": "activity/orders_hourly: the downstream hour re-run for late data",
-    "8-cdc-links-report.png": "cdc/orders overview linking the finalization report",
+    "5-base-latest-event.png": "base_orders: an executable asset with its latest materialization",
+    "6-finalized-partitions.png": "finalized_orders: the finalized hours as materialized partitions",
+    "7-late-data-rerun.png": "activity_orders_hourly: the downstream hour re-run for late data",
+    "8-cdc-links-report.png": "cdc_orders overview linking the finalization report",
     "9-report.png": "the `partfin report` page",
-    "10-cdc-automation.png": "cdc/orders overview, Automation details: sensor sync_orders_sensor",
-    "11-base-automation.png": "base/orders overview, Automation details: sensor sync_orders_sensor",
-    "12-finalized-automation.png": "finalized/orders overview, Automation details: sensor finalize_orders_sensor",
-    "13-activity-automation.png": "activity/orders_hourly overview, Automation details: sensor finalize_orders_sensor",
+    "10-cdc-automation.png": "cdc_orders overview, Automation details: sensor sync_orders_sensor",
+    "11-base-automation.png": "base_orders overview, Automation details: sensor sync_orders_sensor",
+    "12-finalized-automation.png": "finalized_orders overview, Automation details: sensor finalize_orders_sensor",
+    "13-activity-automation.png": "activity_orders_hourly overview, Automation details: sensor finalize_orders_sensor",
 }
 
 
@@ -165,7 +165,7 @@ def test_demo_in_chromium(tmp_path):
         print(f"live finalization of {live}, late WARN on {stayed} stayed, late re-run of {rerun}: {elapsed:.0f}s after start")
         assert elapsed < 300  # the issue's "within five minutes" of starting the demo
 
-        # the checks of cdc/orders ran in the run of its latest materialization (the UI: not "Not evaluated")
+        # the checks of cdc_orders ran in the run of its latest materialization (the UI: not "Not evaluated")
         latest = instance.fetch_materializations(AssetRecordsFilter(asset_key=CDC), limit=1).records[0]
         newest_checks = {name: check_history(instance, CDC, name, limit=1)[0] for name in ("late_data", "watermark_monotonic")}
         sync_runs = [r.run_id for r in instance.get_runs(filters=RunsFilter(job_name="sync_orders"), limit=3)]
@@ -208,11 +208,11 @@ def test_demo_in_chromium(tmp_path):
                 page.get_by_role("button", name="Skip").first.click(timeout=15_000)
             except Exception:  # noqa: BLE001 - not shown in this Dagster build: nothing to dismiss
                 pass
-            graph = open_page("/assets/activity/orders_hourly?view=lineage&lineageScope=upstream&lineageDepth=3",
+            graph = open_page("/assets/activity_orders_hourly?view=lineage&lineageScope=upstream&lineageDepth=3",
                               ["platform", "orders_hourly"], "1-asset-graph.png")
             assert "platform" in graph and "activity" in graph and "orders_hourly" in graph
-            # 2: the live-finalized hour of cdc/orders shows the hour's totals
-            detail = open_page(f"/assets/cdc/orders?view=partitions&partition={live}",
+            # 2: the live-finalized hour of cdc_orders shows the hour's totals
+            detail = open_page(f"/assets/cdc_orders?view=partitions&partition={live}",
                                [live, "finalization_lag_seconds"], "2-cdc-hour-totals.png")
             for name in ("records", "late_records", "event_time_p50", "event_time_p99", "finalized_at", "finalization_lag_seconds"):
                 assert name in detail, name
@@ -221,36 +221,36 @@ def test_demo_in_chromium(tmp_path):
             recorded = {r.event_log_entry.asset_materialization.metadata["records"].value for r in instance.fetch_materializations(
                 AssetRecordsFilter(asset_key=CDC, asset_partitions=[live]), limit=100).records}
             assert shown_records in recorded and shown_records >= expected[live]
-            # 3: check results on the latest materialization of cdc/orders, late_data in WARN
-            checks = open_page("/assets/cdc/orders?view=checks", ["late_data", "watermark_monotonic"], "3-cdc-checks.png")
+            # 3: check results on the latest materialization of cdc_orders, late_data in WARN
+            checks = open_page("/assets/cdc_orders?view=checks", ["late_data", "watermark_monotonic"], "3-cdc-checks.png")
             assert "Not evaluated" not in checks
             # 4: the late_data check's history: the WARN stayed over several sync runs
             page.get_by_text("Execution history").first.click()
             page.get_by_text("the downstream has not run with yet", exact=False).first.wait_for(timeout=60_000)
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "4-late-data-warn-history.png"))
-            # 5: base/orders: an executable asset with its latest event and partitions
-            base = open_page("/assets/base/orders", ["Latest materialization", "finalization_lag_seconds"], "5-base-latest-event.png")
+            # 5: base_orders: an executable asset with its latest event and partitions
+            base = open_page("/assets/base_orders", ["Latest materialization", "finalization_lag_seconds"], "5-base-latest-event.png")
             assert "External Asset" not in base and "Never materialized" not in base
-            # 6: finalized/orders: the partitions that finalized, with status
-            finalized = open_page("/assets/finalized/orders?view=partitions", ["Materialized ("], "6-finalized-partitions.png")
+            # 6: finalized_orders: the partitions that finalized, with status
+            finalized = open_page("/assets/finalized_orders?view=partitions", ["Materialized ("], "6-finalized-partitions.png")
             assert re.search(r"Materialized \((?!0\))\d+\)", finalized)
             # 7: the downstream hour re-run for late data, materialized again
-            rerun_page = open_page(f"/assets/activity/orders_hourly?view=partitions&partition={rerun}", [rerun, "live_rows"],
+            rerun_page = open_page(f"/assets/activity_orders_hourly?view=partitions&partition={rerun}", [rerun, "live_rows"],
                                    "7-late-data-rerun.png")
             events = re.search(r"historical events \((\d+)\)", rerun_page)
             assert events and int(events.group(1)) >= 2  # its first run, then the re-run for late data
             # 8: the report page the cdc asset links to (written by a sync run), self-contained
             report = home / "reports" / "orders.html"
             wait(lambda: report.exists(), "the finalization report")
-            overview = open_page("/assets/cdc/orders", ["finalization_report"], "8-cdc-links-report.png")
+            overview = open_page("/assets/cdc_orders", ["finalization_report"], "8-cdc-links-report.png")
             assert str(report) in overview
             page_text = open_page(report.as_uri(), ["Watermark over wall time", "Finalization lag per hour"], "9-report.png")
             assert "watermark policy" in page_text and page.locator(".plotly-graph-div").count() == 1
             # 10-13: each asset's overview lists, under Automation details, the sensor that drives it (a link to it)
-            for number, (path, sensor) in enumerate((("cdc/orders", "sync_orders_sensor"), ("base/orders", "sync_orders_sensor"),
-                                                     ("finalized/orders", "finalize_orders_sensor"),
-                                                     ("activity/orders_hourly", "finalize_orders_sensor")), start=10):
+            for number, (path, sensor) in enumerate((("cdc_orders", "sync_orders_sensor"), ("base_orders", "sync_orders_sensor"),
+                                                     ("finalized_orders", "finalize_orders_sensor"),
+                                                     ("activity_orders_hourly", "finalize_orders_sensor")), start=10):
                 page.goto(f"{base_url}/assets/{path}", wait_until="domcontentloaded")
                 page.get_by_text("Automation details").first.wait_for(timeout=60_000)
                 listed = page.locator(f'a[href*="/sensors/{sensor}"]').first

@@ -1,6 +1,6 @@
 """Which base snapshot the downstream run of hour H reads: the one H's newest finalization event names.
 
-The finalization sensor records one `finalized/<table>` event per hour when it finalizes, naming the
+The finalization sensor records one `finalized_<table>` event per hour when it finalizes, naming the
 base snapshot current then; when late records for an hour that was already final reach base, it
 records an *amendment* of that hour naming the base snapshot that carries them (`amendment: true`,
 `late_records`) and requests a re-run. A downstream run of H reads base at the snapshot of H's newest
@@ -71,7 +71,7 @@ def base_position(catalog: Catalog, base: Table, snapshot_id: int | None = None)
 
 
 def finalization_metadata(hour_us: int, watermark_us: int, position: BasePosition, late: LateHour | None = None) -> dict[str, Any]:
-    """Metadata of a `finalized/<table>` event of hour H (an amendment when `late` names H's late records)."""
+    """Metadata of a `finalized_<table>` event of hour H (an amendment when `late` names H's late records)."""
     out: dict[str, Any] = {
         "hour": iso_z(hour_us),
         "watermark": iso_z(watermark_us),

@@ -1,7 +1,7 @@
 """The asset checks' logic, free of Dagster: table properties, snapshot summaries and the late-data ledger only.
 
 The Dagster layer evaluates them twice: in the checks job, and inside every sync run right after
-the materializations it reports (so the latest materialization of cdc/<table> and base/<table>
+the materializations it reports (so the latest materialization of cdc_<table> and base_<table>
 always carries its check results). Both wrap the same `CheckOutcome`.
 
 cdc:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks

@@ -1,12 +1,12 @@
 """Asset checks of each table: thin wrappers over finalization/table_checks.py (metadata and the late-data ledger only).
 
-cdc/<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
-base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
+cdc_<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
+base_<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
 downstream:   late_data_after_run
 
 The cdc and base checks are evaluated twice with the same code: by the checks job, and inside
 every sync run right after its materializations (`sync_check_evaluations`), so the latest
-materialization of cdc/<table> and base/<table> always carries its check results.
+materialization of cdc_<table> and base_<table> always carries its check results.
 """
 
 import dataclasses
@@ -88,7 +88,7 @@ def _result(outcome: tc.CheckOutcome) -> AssetCheckResult:
 
 
 def sync_check_evaluations(table: PartfinTable, catalog: Catalog, instance: DagsterInstance, layer: str) -> list[AssetCheckEvaluation]:
-    """The checks of cdc/<table> or base/<table> as events of the sync run that just materialized it."""
+    """The checks of cdc_<table> or base_<table> as events of the sync run that just materialized it."""
     key = table.cdc_key if layer == "cdc" else table.base_key
     return [
         AssetCheckEvaluation(asset_key=key, check_name=check, passed=o.passed, severity=AssetCheckSeverity(o.severity),
@@ -151,7 +151,7 @@ def build_checks(table: PartfinTable):
 def build_checks_sensor(table: PartfinTable, checks_job):
     @table_sensor(table, "checks", table.checks_interval_seconds, job=checks_job, description=(
         f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
-        f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run)."))
+        f"asset changed (the cdc_{table.name} and base_{table.name} checks run inside every sync run)."))
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         state = []
         for identifier in (f"cdc.{table.name}", f"base.{table.name}"):

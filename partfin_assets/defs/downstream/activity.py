@@ -45,13 +45,16 @@ def build_activity_asset(table: PartfinTable):
 
     @asset(
         key=table.activity_key,
-        deps=[table.base_key],
+        # lineage follows the contract (cdc -> base -> finalized -> downstream): it runs once per finalized hour,
+        # and reads base at the snapshot that hour's finalized event names
+        deps=[table.finalized_key],
         partitions_def=table.partitions_def(),
         group_name="activity",
         owners=[table.downstream_owner],
         kinds={"polars", "parquet"},
-        description=f"Hourly activity of {name}: rows changed per 5 minutes (live / deleted), from base.{name}, "
-        "computed once per finalized hour.",
+        description=f"Hourly activity of {name}: rows changed per 5 minutes (live / deleted), from base.{name} at the "
+        f"snapshot the hour's {table.finalized_key.to_user_string()} event names, computed once per finalized hour (and again "
+        "for an amendment: late data).",
     )
     def activity(context: AssetExecutionContext, config: ActivityConfig, catalog: IcebergCatalogResource) -> MaterializeResult:
         partition_key = context.partition_key

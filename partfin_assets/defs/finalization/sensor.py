@@ -1,4 +1,4 @@
-"""Exactly once per finalized hour: the watermark-driven sensor and the runless `finalized/<table>` event.
+"""Exactly once per finalized hour: the watermark-driven sensor and the runless `finalized_<table>` event.
 
 Each tick reads base.<table>'s metadata (its `partfin.watermark` property and current snapshot) and
 walks the hours from its cursor up to that watermark in order:
@@ -7,7 +7,7 @@ walks the hours from its cursor up to that watermark in order:
   with the base snapshot the run reads (finalization/read_points.py): the cursor makes each hour
   come up once, the run_key makes the daemon drop a re-request if a tick dies after submitting but
   before storing its cursor;
-- a runless AssetMaterialization of `finalized/<table>`, partition = the hour, naming that base
+- a runless AssetMaterialization of `finalized_<table>`, partition = the hour, naming that base
   snapshot, for other teams' sensors; emitted only for hours not recorded yet, so a repeated tick
   does not emit it twice;
 - an Iceberg tag `finalized-<hour>` on base.<table> at that snapshot (`-amend-N` for an amendment),
@@ -20,9 +20,9 @@ hour gets an *amendment* event (`amendment: true`, `late_records`, the base snap
 them) and a re-run, run_key `<table>:<hour>:amendment:<base snapshot id>`, unless an acknowledgement
 covers those late records (`partfin late-data ack`: no re-run needed).
 
-The sensor targets both assets it drives (`finalized/<table>` and the downstream asset), so both
+The sensor targets both assets it drives (`finalized_<table>` and the downstream asset), so both
 asset pages list it under Automations; its runs are runs of the downstream asset (Dagster's implicit
-asset job, carrying the downstream job's tags), since a job cannot hold `finalized/<table>`, which
+asset job, carrying the downstream job's tags), since a job cannot hold `finalized_<table>`, which
 only the sensor records.
 
 The cursor is the first hour not yet handled and the cdc sequence number base had merged; with the
@@ -84,7 +84,7 @@ def first_data_hour(iceberg, table: PartfinTable) -> int | None:
 
 
 def newest_finalization_event(instance, key: AssetKey, partition_key: str) -> dict | None:
-    """Metadata values of the newest `finalized/<table>` event (finalization or amendment) of one hour."""
+    """Metadata values of the newest `finalized_<table>` event (finalization or amendment) of one hour."""
     records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[partition_key]), limit=1).records
     if not records or records[0].event_log_entry.asset_materialization is None:
         return None
@@ -92,7 +92,7 @@ def newest_finalization_event(instance, key: AssetKey, partition_key: str) -> di
 
 
 def recorded_partitions(instance, key: AssetKey, partition_keys: list[str]) -> set[str]:
-    """Which of these hours already have a `finalized/<table>` event (reads only their events)."""
+    """Which of these hours already have a `finalized_<table>` event (reads only their events)."""
     found: set[str] = set()
     cursor = None
     while partition_keys:

@@ -1,4 +1,4 @@
-"""cdc/<table> and base/<table>: one multi-asset, the CDC writer and the upsert, run by Dagster on a short cadence.
+"""cdc_<table> and base_<table>: one multi-asset, the CDC writer and the upsert, run by Dagster on a short cadence.
 
 Both layers are stream-fed and hourly partitioned, and written by one op (`cdc_and_base_<table>`,
 pool `partfin_cdc_<table>`), so that the `sync_<table>` job is an asset job of the two assets: the
@@ -9,11 +9,11 @@ partition:
   The CDC writer commits checkpoints, then the upsert merges them into base. Neither returns an
   output (both are optional): the run reports one materialization per hour partition it touched or
   finalized, showing the whole hour from the late-data ledger (finalization/hour_truth.py), one
-  observation per checkpoint on cdc/<table>, and then the layer's checks (so the latest
+  observation per checkpoint on cdc_<table>, and then the layer's checks (so the latest
   materialization always carries its check results). A sync run plans no partition, so while it
   runs or after it failed no hour shows as in progress or failed.
-- **an hour partition: by hand** (UI "Materialize", a backfill: one run per partition). cdc/<table>
-  replays the hour (defs/platform/replay.py); base/<table> runs the upsert now.
+- **an hour partition: by hand** (UI "Materialize", a backfill: one run per partition). cdc_<table>
+  replays the hour (defs/platform/replay.py); base_<table> runs the upsert now.
 
 A conflict of the upsert (CommitConflictError) re-runs the upsert alone, in process, with the one
 retry policy (jobs/retry.py): a step retry would run the writer again.
@@ -69,7 +69,7 @@ def _iso(us: int | None) -> str | None:
 
 
 def build_platform_assets(table: PartfinTable):
-    """cdc/<table> and base/<table> as one multi-asset (see the module docstring)."""
+    """cdc_<table> and base_<table> as one multi-asset (see the module docstring)."""
     name = table.name
 
     @multi_asset(
@@ -238,7 +238,7 @@ def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, icebe
 
 def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, writer: CdcWriter,
                       result: CheckpointResult) -> list[int]:
-    """One observation on cdc/<table> per committed checkpoint (a table-level time series; the hours show their
+    """One observation on cdc_<table> per committed checkpoint (a table-level time series; the hours show their
     totals at the end of the run): the hours it touched."""
     snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
     committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
