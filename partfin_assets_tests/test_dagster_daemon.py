@@ -19,7 +19,7 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunSta
 
 from partfin_assets.defs.tables import TABLES
 from partfin_assets.finalization.hours import hour_key, newly_finalized
-from partfin_assets.finalization.read_points import AMENDMENT_TAG, BASE_SNAPSHOT_TAG
+from partfin_assets.finalization.read_points import AMENDMENT_TAG, BASE_SNAPSHOT_TAG, REASON_TAG, RUN_FOR_TAG
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -120,6 +120,10 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     # hour order of the requests
     first_runs = sorted((r for r in runs if "dagster/parent_run_id" not in r.tags), key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
     assert [r.tags["dagster/partition"] for r in first_runs] == expected
+    # every downstream run is a run of the named job, saying which event of the hour it is for and why
+    assert {r.job_name for r in all_runs} == {"activity_orders_job"}
+    assert {r.tags[RUN_FOR_TAG] for r in runs} == {"finalization"} and all("became final" in r.tags[REASON_TAG] for r in runs)
+    assert all(r.tags[RUN_FOR_TAG] == "amendment" and r.tags[REASON_TAG].startswith("late data: ") for r in amendment_runs)
     # the injected failure was retried once by the daemon, with the same partition and the same base snapshot
     failed = [r for r in all_runs if r.status == DagsterRunStatus.FAILURE]
     assert [r.tags["dagster/partition"] for r in failed] == [FAIL_ONCE_HOUR]

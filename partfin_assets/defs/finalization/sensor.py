@@ -20,10 +20,11 @@ hour gets an *amendment* event (`amendment: true`, `late_records`, the base snap
 them) and a re-run, run_key `<table>:<hour>:amendment:<base snapshot id>`, unless an acknowledgement
 covers those late records (`partfin late-data ack`: no re-run needed).
 
-The sensor targets both assets it drives (`finalized_<table>` and the downstream asset), so both
-asset pages list it under Automations; its runs are runs of the downstream asset (Dagster's implicit
-asset job, carrying the downstream job's tags), since a job cannot hold `finalized_<table>`, which
-only the sensor records.
+The sensor targets the downstream job `activity_<table>_job`, so its runs appear under that name
+(not Dagster's jobless `__ASSET_JOB`), each tagged with which event of the hour it is for and why
+(`partfin/run-for`, `partfin/reason`). A job cannot hold `finalized_<table>`, which only the sensor
+records, and a sensor targets either jobs or an asset selection: so the asset page of
+`finalized_<table>` names the sensor in its description and metadata, not under Automations.
 
 The cursor is the first hour not yet handled and the cdc sequence number base had merged; with the
 daemon down nothing is lost: the next tick walks every hour that finalized meanwhile (at most
@@ -47,7 +48,14 @@ from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
 from partfin_assets.finalization.late_acks import acks_of, unacknowledged_late
 from partfin_assets.finalization.late_data import LateHour, late_data
-from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
+from partfin_assets.finalization.read_points import (
+    BasePosition,
+    amendments,
+    base_position,
+    finalization_metadata,
+    read_tags,
+    run_reason_tags,
+)
 from partfin_assets.finalization.tags import Finalization, tag_finalizations
 from partfin_assets.iceberg.catalog import load_existing_table, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
@@ -64,12 +72,14 @@ def finalized_spec(table: PartfinTable) -> AssetSpec:
         description=(
             f"Finalization events of base.{table.name}. Partition H receives exactly one runless materialization "
             f"when hour H finalizes (H + 1h <= base watermark). Subscribe with a sensor that reads all new "
-            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see docs/dagster.md)."
+            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see docs/dagster.md). "
+            f"Recorded by sensor finalize_{table.name}_sensor, which requests each hour's run of job activity_{table.name}_job."
         ),
         group_name="finalization",
         owners=[table.platform_owner],
         partitions_def=table.partitions_def(),
-        metadata={"contract": "one runless materialization per finalized hour, in hour order"},
+        metadata={"contract": "one runless materialization per finalized hour, in hour order",
+                  "recorded_by": f"sensor finalize_{table.name}_sensor"},
     )
 
 
@@ -154,10 +164,9 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                 # an amendment is a new run of the hour: a run_key of its own, per base snapshot read
                 run_key=f"{table.name}:{key}" + (f":amendment:{position.snapshot_id}" if late is not None else ""),
                 partition_key=key,
-                asset_selection=[table.activity_key],
                 tags={**table.downstream_tags, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
                       "partfin/downstream-hour": f"{table.name}:{key}",  # dagster.yaml: one run of an hour at a time
-                      **read_tags(position.snapshot_id, amendment=late is not None)},
+                      **read_tags(position.snapshot_id, amendment=late is not None), **run_reason_tags(hour, late)},
             )
         )
         if late is None and key in recorded:
@@ -202,8 +211,8 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
     return amendments(late, seen)
 
 
-def build_finalization_sensor(table: PartfinTable):
-    @table_sensor(table, "finalize", table.finalization_interval_seconds, asset_selection=[table.finalized_key, table.activity_key], description=(
+def build_finalization_sensor(table: PartfinTable, downstream_job):
+    @table_sensor(table, "finalize", table.finalization_interval_seconds, job=downstream_job, description=(
         f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
         f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes {table.finalized_key.to_user_string()}."))
     def finalization_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
