@@ -180,8 +180,6 @@ def as_the_previous_release_left_it(dagster_home) -> None:
                                    (new, old, new))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26: after the key change, what the previous release recorded under cdc/orders-style keys "
-                   "(finalizations, downstream runs) is not read: the hours look never finalized nor run")
 def test_an_instance_upgraded_from_the_previous_keys_runs_no_hour_again(tmp_path):
     from partfin_assets.defs.checks.watermark_checks import downstream_runs as downstream_runs_of
     from partfin_assets.defs.finalization.sensor import newest_finalization_event

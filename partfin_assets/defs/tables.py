@@ -66,6 +66,14 @@ class PartfinTable:
     def activity_key(self) -> AssetKey:
         return self.layer_key("activity", "_hourly")
 
+    def previous_key(self, key: AssetKey) -> AssetKey | None:
+        """The key the release before flat keys recorded `key`'s events under (`cdc/orders` for `cdc_orders`): an
+        upgraded instance keeps those events, and they still count (docs/dagster.md, "Upgrading from `cdc/<table>` keys")."""
+        previous = {self.cdc_key: AssetKey(["cdc", self.name]), self.base_key: AssetKey(["base", self.name]),
+                    self.finalized_key: AssetKey(["finalized", self.name]),
+                    self.activity_key: AssetKey(["activity", f"{self.name}_hourly"])}
+        return previous.get(key)
+
     @property
     def platform_op_name(self) -> str:
         """The one op (a multi-asset) that writes cdc_<table> and base_<table>: the sync, or a manual partition."""

@@ -69,7 +69,7 @@ def build_activity_asset(table: PartfinTable):
         hour = hour_from_key(partition_key)
         iceberg = catalog.load()
         base = iceberg.load_table(f"base.{name}")
-        point = read_point(context.run.tags, newest_finalization_event(context.instance, table.finalized_key, partition_key))
+        point = read_point(context.run.tags, newest_finalization_event(context.instance, table, partition_key))
         if point.snapshot_id is None:  # no finalization event: the current snapshot of this one metadata version
             point = dataclasses.replace(point, snapshot_id=base.current_snapshot().snapshot_id if base.current_snapshot() else None)
         unavailable = snapshot_unavailable_reason(base, point.snapshot_id) if point.snapshot_id is not None else None

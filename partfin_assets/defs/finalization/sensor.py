@@ -35,7 +35,6 @@ daemon down nothing is lost: the next tick walks every hour that finalized meanw
 from dagster import (
     AssetKey,
     AssetMaterialization,
-    AssetRecordsFilter,
     AssetSpec,
     RunRequest,
     SensorEvaluationContext,
@@ -43,6 +42,7 @@ from dagster import (
     SkipReason,
 )
 
+from partfin_assets.defs.asset_history import latest_partition_materialization, materialized_partitions
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
@@ -93,27 +93,12 @@ def first_data_hour(iceberg, table: PartfinTable) -> int | None:
     return min(hours) * US_PER_HOUR if hours else None
 
 
-def newest_finalization_event(instance, key: AssetKey, partition_key: str) -> dict | None:
+def newest_finalization_event(instance, table: PartfinTable, partition_key: str) -> dict | None:
     """Metadata values of the newest `finalized_<table>` event (finalization or amendment) of one hour."""
-    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[partition_key]), limit=1).records
-    if not records or records[0].event_log_entry.asset_materialization is None:
+    entry = latest_partition_materialization(instance, table, table.finalized_key, partition_key)
+    if entry is None or entry.asset_materialization is None:
         return None
-    return {k: v.value for k, v in records[0].event_log_entry.asset_materialization.metadata.items()}
-
-
-def recorded_partitions(instance, key: AssetKey, partition_keys: list[str]) -> set[str]:
-    """Which of these hours already have a `finalized_<table>` event (reads only their events)."""
-    found: set[str] = set()
-    cursor = None
-    while partition_keys:
-        result = instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=key, asset_partitions=partition_keys), limit=MAX_HOURS_PER_TICK, cursor=cursor
-        )
-        found |= {r.partition_key for r in result.records if r.partition_key is not None}
-        if not result.has_more:
-            break
-        cursor = result.cursor
-    return found
+    return {k: v.value for k, v in entry.asset_materialization.metadata.items()}
 
 
 def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable, iceberg_resource: IcebergCatalogResource, job_name: str | None = None):
@@ -153,7 +138,7 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
             cursor=next_cursor.encode(),
         )
     # a repeated tick (cursor lost) must not record an hour's finalization twice
-    recorded = recorded_partitions(context.instance, table.finalized_key, [hour_key(h) for h in hours])
+    recorded = materialized_partitions(context.instance, table, table.finalized_key, [hour_key(h) for h in hours])
     run_requests = []
     events = []
     for hour, late in [*amended.items(), *((h, None) for h in hours)]:
@@ -206,7 +191,7 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
     handled = [hour for hour in late if table.start_us <= hour < cursor.next_hour_us]
     seen = {}
     for hour in handled:
-        event = newest_finalization_event(context.instance, table.finalized_key, hour_key(hour))
+        event = newest_finalization_event(context.instance, table, hour_key(hour))
         seen[hour] = event.get("cdc_sequence_number") if event else None
     return amendments(late, seen)
 

@@ -25,7 +25,6 @@ from dagster import (
     AssetExecutionContext,
     AssetMaterialization,
     AssetObservation,
-    AssetRecordsFilter,
     AssetSelection,
     AssetSpec,
     DagsterRunStatus,
@@ -43,6 +42,7 @@ from dagster import (
 
 from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.platform.replay import ReplayConfig, cdc_pool, replay_partition
+from partfin_assets.defs.asset_history import latest_partition_materialization
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
@@ -118,7 +118,7 @@ def build_platform_assets(table: PartfinTable):
             if hour not in truths:
                 watermark = watermark_of(iceberg.load_table(f"base.{name}").properties)
                 truths[hour] = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), [hour], watermark,
-                                           _previous_finalized_at(context, table.base_key, [hour]))[0]
+                                           _previous_finalized_at(context, table, table.base_key, [hour]))[0]
             yield MaterializeResult(asset_key=table.base_key, metadata=truths[hour].metadata())
 
     return cdc_and_base
@@ -144,7 +144,7 @@ def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int
         newly_final = newly_final_hours(watermark_before, watermark, table.start_us)
         touched = {to_us(parse_iso(h)) for h in result.hours_touched}
         # base finalizes when the upsert carries the watermark past the hour: this commit, or an earlier one
-        finalized_at = _previous_finalized_at(context, table.base_key, sorted(touched - set(newly_final)))
+        finalized_at = _previous_finalized_at(context, table, table.base_key, sorted(touched - set(newly_final)))
         finalized_at.update({h: committed_at for h in newly_final})
         found = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
         truths = {t.hour_us: t for t in found}
@@ -196,12 +196,12 @@ def _log_events(context: AssetExecutionContext | OpExecutionContext, events: lis
         context.log_event(event)
 
 
-def _previous_finalized_at(context: AssetExecutionContext, key, hours: list[int]) -> dict[int, int]:
+def _previous_finalized_at(context: AssetExecutionContext, table: PartfinTable, key, hours: list[int]) -> dict[int, int]:
     """finalized_at that earlier materializations of these partitions recorded (base hours touched again by late data)."""
     out = {}
     for hour in hours:
-        records = context.instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[hour_key(hour)]), limit=1).records
-        materialization = records[0].event_log_entry.asset_materialization if records else None
+        entry = latest_partition_materialization(context.instance, table, key, hour_key(hour))
+        materialization = entry.asset_materialization if entry else None
         value = materialization.metadata.get("finalized_at") if materialization else None
         if value is not None and isinstance(value.value, str):
             out[hour] = to_us(parse_iso(value.value))
