@@ -77,6 +77,21 @@ def finalize_ticks(instance) -> int:
     return 0
 
 
+def run_daemon_until_settled(instance, env, log, expected: list[str], more_ticks: bool = True) -> None:
+    """Run dagster-daemon until every expected hour ran (then, with `more_ticks`, three more finalization ticks: nothing
+    new may be requested, and until the runs settled); stop it."""
+    proc = dagster_processes.daemon(env, log).start()
+    try:
+        dagster_processes.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
+        if not more_ticks:
+            return
+        ticks = finalize_ticks(instance)
+        dagster_processes.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
+        dagster_processes.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
+    finally:
+        proc.stop()
+
+
 def test_exactly_once_across_daemon_restart(tmp_path):
     home, dagster_home = tmp_path / "partfin", tmp_path / "dagster"
     env = dagster_processes.dagster_env(
@@ -91,11 +106,7 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     assert FAIL_ONCE_HOUR in phase1, f"watermark {iso_z(first_w)} too low for the test"
 
     instance = DagsterInstance.from_config(str(dagster_home))
-    proc = dagster_processes.daemon(env, tmp_path / "daemon-1.log").start()
-    try:
-        dagster_processes.wait_for(lambda: settled(instance, phase1), 240, f"runs of {phase1}", on_timeout=proc.log_tail)
-    finally:
-        proc.stop()
+    run_daemon_until_settled(instance, env, tmp_path / "daemon-1.log", phase1, more_ticks=False)
 
     # the daemon is down while more hours finalize
     second_w = stream_until(home, START + timedelta(hours=9))
@@ -103,15 +114,7 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     assert len(expected) >= len(phase1) + 2, f"{iso_z(first_w)} -> {iso_z(second_w)}"
     assert not settled(instance, expected)
 
-    proc = dagster_processes.daemon(env, tmp_path / "daemon-2.log").start()
-    try:
-        dagster_processes.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
-        # let the sensor tick a few more times: nothing new may be requested
-        ticks = finalize_ticks(instance)
-        dagster_processes.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
-        dagster_processes.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
-    finally:
-        proc.stop()
+    run_daemon_until_settled(instance, env, tmp_path / "daemon-2.log", expected)
 
     all_runs = downstream_runs(instance)
     by_status = Counter((r.tags.get("dagster/partition"), r.status) for r in all_runs)
@@ -190,11 +193,7 @@ def test_an_instance_upgraded_from_the_previous_keys_runs_no_hour_again(tmp_path
     before = [hour_key(h) for h in newly_finalized(to_us(START), stream_until(home, START + timedelta(hours=3), late_fraction=0))]
     assert before
     instance = DagsterInstance.from_config(str(dagster_home))
-    proc = dagster_processes.daemon(env, tmp_path / "daemon-1.log").start()
-    try:
-        dagster_processes.wait_for(lambda: settled(instance, before), 240, f"runs of {before}", on_timeout=proc.log_tail)
-    finally:
-        proc.stop()
+    run_daemon_until_settled(instance, env, tmp_path / "daemon-1.log", before, more_ticks=False)
     instance.dispose()
     as_the_previous_release_left_it(dagster_home)
     instance = DagsterInstance.from_config(str(dagster_home))
@@ -206,14 +205,7 @@ def test_an_instance_upgraded_from_the_previous_keys_runs_no_hour_again(tmp_path
     # no event under the new keys, so only what the previous release recorded can say they were finalized and run)
     expected = [hour_key(h) for h in newly_finalized(to_us(START), stream_until(home, START + timedelta(hours=6), late_fraction=0))]
     assert len(expected) > len(before)
-    proc = dagster_processes.daemon(env, tmp_path / "daemon-2.log").start()
-    try:
-        dagster_processes.wait_for(lambda: settled(instance, expected), 240, f"runs of {expected}", on_timeout=proc.log_tail)
-        ticks = finalize_ticks(instance)
-        dagster_processes.wait_for(lambda: finalize_ticks(instance) >= ticks + 3, 60, "three more sensor ticks", on_timeout=proc.log_tail)
-        dagster_processes.wait_for(lambda: settled(instance, expected), 60, "runs to settle")
-    finally:
-        proc.stop()
+    run_daemon_until_settled(instance, env, tmp_path / "daemon-2.log", expected)
 
     runs = [r for r in downstream_runs(instance) if r.tags.get(AMENDMENT_TAG) != "true"]
     successes = Counter(r.tags.get("dagster/partition") for r in runs if r.status == DagsterRunStatus.SUCCESS)
