@@ -186,7 +186,7 @@ def test_demo_in_chromium(tmp_path):
         elapsed = time.monotonic() - started
         print(f"live finalization of {live}, late WARN on {stayed} stayed, late re-run of {rerun}: {elapsed:.0f}s after start")
         assert elapsed < BUDGET_SECONDS  # the issue's "within five minutes" of starting the demo (300 s by default)
-        # a healthy catch-up never makes watermark_fresh WARN (issue 26 point 8)
+        # a healthy catch-up never makes watermark_fresh WARN
         fresh = check_history(instance, CDC, "watermark_fresh")
         assert fresh and all(evaluation(record).passed for record in fresh), [evaluation(r).description for r in fresh if not evaluation(r).passed]
 
