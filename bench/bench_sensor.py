@@ -1,10 +1,10 @@
 """Bench: a finalization-sensor tick with 10 vs 10,000 hours of history.
 
 A tick reads base.<table>'s metadata (watermark property, current snapshot), the sequence
-number of the cdc snapshot it merged (cdc metadata), and the `finalized/<table>` events of
+number of the cdc snapshot it merged (cdc metadata), and the `finalized_<table>` events of
 the hours it walks from the Dagster instance; it never lists partitions or files (the late-data
 ledger is read only for cdc commits merged since the last tick). This bench builds real histories (CDC writer + upsert over N hours of synthetic
-orders, N `finalized/orders` events in a SQLite Dagster instance), then times:
+orders, N `finalized_orders` events in a SQLite Dagster instance), then times:
 
 - steady tick:   cursor at the head, nothing new (what almost every tick is);
 - finalize tick: one hour newly final (one run request + one finalization event);
@@ -77,7 +77,7 @@ def bench(hours: int, ticks: int, workdir: Path) -> dict:
     final_hours = newly_finalized(to_us(history["start"]), watermark)
     t0 = time.perf_counter()
     for hour in final_hours:  # the instance has seen every hour finalize already
-        instance.report_runless_asset_event(AssetMaterialization(asset_key=["finalized", "orders"], partition=hour_key(hour)))
+        instance.report_runless_asset_event(AssetMaterialization(asset_key="finalized_orders", partition=hour_key(hour)))
     events_s = time.perf_counter() - t0
     head = FinalizationCursor(final_hours[-1] + US_PER_HOUR).encode()
     one_behind = FinalizationCursor(final_hours[-1]).encode()

@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rebucket_.add_argument("--buckets", type=int, required=True, help="the new count: a multiple of the current one, greater than it")
 
     replay = commands.add_parser(
-        "replay", help="replay one hour of cdc.<table> from the history its writers read (Dagster: materialize that cdc/<table> partition)")
+        "replay", help="replay one hour of cdc.<table> from the history its writers read (Dagster: materialize that cdc_<table> partition)")
     replay.add_argument("--table", required=True)
     replay.add_argument("--hour", required=True, type=_option(parse_hour), help="the hour, 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
     replay.add_argument("--force", action="store_true", help="replace the hour even if that removes far more records than it adds")

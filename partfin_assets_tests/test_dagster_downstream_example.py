@@ -19,7 +19,7 @@ def load_example():
 
 def finalize(instance, *hours):
     for hour in hours:  # what partfin's finalization sensor records, as runless events
-        instance.report_runless_asset_event(AssetMaterialization(asset_key=["finalized", "orders"], partition=hour))
+        instance.report_runless_asset_event(AssetMaterialization(asset_key="finalized_orders", partition=hour))
 
 
 def test_sensor_requests_every_finalized_hour_once():
@@ -30,7 +30,7 @@ def test_sensor_requests_every_finalized_hour_once():
             assert sensor(ctx).run_requests == []
         # three hours finalize between two ticks (e.g. after the daemon was down)
         finalize(instance, "2026-01-01-00:00", "2026-01-01-01:00", "2026-01-01-02:00")
-        instance.report_runless_asset_event(AssetMaterialization(asset_key=["base", "orders"], partition="2026-01-01-03:00"))
+        instance.report_runless_asset_event(AssetMaterialization(asset_key="base_orders", partition="2026-01-01-03:00"))
         with build_sensor_context(instance=instance) as ctx:
             first = sensor(ctx)
         assert [r.partition_key for r in first.run_requests] == ["2026-01-01-00:00", "2026-01-01-01:00", "2026-01-01-02:00"]
@@ -49,4 +49,4 @@ def test_example_is_a_valid_code_location():
     example = load_example()
     repo = example.defs.get_repository_def()
     asset = repo.asset_graph.get(example.orders_revenue_hourly.key)
-    assert ("finalized", "orders") in {tuple(k.path) for k in asset.parent_keys}
+    assert ("finalized_orders",) in {tuple(k.path) for k in asset.parent_keys}

@@ -28,7 +28,7 @@ from partfin_assets_tests.table_helpers import commit_append, files_per_partitio
 REPO = Path(__file__).resolve().parents[1]
 START = "2026-01-01T00:00:00Z"
 STREAM = f"synthetic:start={START},end=2026-01-01T05:30:00Z,rate=0.3,late_fraction=0.01,idle_every=off,seed=9"
-CDC, BASE = AssetKey(["cdc", "orders"]), AssetKey(["base", "orders"])
+CDC, BASE = AssetKey("cdc_orders"), AssetKey("base_orders")
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_replay_is_the_cdc_partition_materialization(synced):
     lost = len(ingested) - len(hour_rows(catalog, hour))
     assert lost > 0
 
-    # materializing cdc/orders partition H = replay of H from the source: the hour is whole again, except for
+    # materializing cdc_orders partition H = replay of H from the source: the hour is whole again, except for
     # the erased key, which the request keeps out of every replay
     replay_job = defs.resolve_implicit_global_asset_job_def()
     result = replay_job.execute_in_process(instance=instance, partition_key=key, asset_selection=[CDC])
@@ -315,7 +315,7 @@ def test_maintenance_expires_snapshots_and_removes_orphans(synced):
 
 @pytest.mark.timeout(720)  # above the 600 s the backfill may take on a loaded machine, so its own timeout names it
 def test_replay_backfill_runs_one_partition_per_run_one_at_a_time(tmp_path):
-    """A backfill of cdc/orders over 3 hours, run by a real dagster-daemon with the repo's dagster.yaml:
+    """A backfill of cdc_orders over 3 hours, run by a real dagster-daemon with the repo's dagster.yaml:
     one run per partition, each a replay that leaves the hour as the source has it, never two at once
     (pool partfin_cdc_orders, limit 1)."""
     from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill

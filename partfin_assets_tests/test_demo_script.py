@@ -110,7 +110,7 @@ def test_demo_started_in_background_stops_on_signal(tmp_path, stop_signal):
         assert "BetaWarning" not in text
         assert "dagster.yaml) in the current folder" not in text
         assert "Materialized value" not in text
-        assert "cdc/orders partition " in text
+        assert "cdc_orders partition " in text
         assert (home / "partitions_start").read_text().strip().endswith(":00")
     finally:
         for p in [*tree, *descendants(pid), pid]:  # the whole tree, also when the test failed before it looked

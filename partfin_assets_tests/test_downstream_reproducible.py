@@ -2,7 +2,7 @@
 finalization (or amendment) event, whenever it runs; a re-run for late data reads the snapshot that carried it.
 
 In process, as Dagster runs it: the sync job, the finalization sensor (its asset events recorded as the daemon
-records them), partfin's own downstream asset `activity/orders_hourly` and the downstream team's example
+records them), partfin's own downstream asset `activity_orders_hourly` and the downstream team's example
 asset `revenue_team/orders_revenue_hourly`.
 """
 
@@ -19,7 +19,7 @@ from partfin_assets_tests.test_dagster_downstream_example import load_example
 
 HOURS = ["2026-11-01T00:00:00Z", "2026-11-01T01:00:00Z", "2026-11-01T02:00:00Z", "2026-11-01T03:00:00Z"]
 H1_KEY = "2026-11-01-01:00"
-FINALIZED, ACTIVITY = AssetKey(["finalized", "orders"]), AssetKey(["activity", "orders_hourly"])
+FINALIZED, ACTIVITY = AssetKey("finalized_orders"), AssetKey("activity_orders_hourly")
 
 
 class Pipeline:
@@ -144,7 +144,7 @@ def _step_failure(result) -> str:
     return data.user_failure_data.description if data.user_failure_data else data.error.message.strip()
 
 
-FORCE = {"ops": {"activity__orders_hourly": {"config": {"force": True}}}}
+FORCE = {"ops": {"activity_orders_hourly": {"config": {"force": True}}}}
 
 
 @pytest.mark.parametrize("change_after", ["expiry", "privacy_delete"])

@@ -81,7 +81,7 @@ def test_late_records_outlive_snapshot_expiry_and_every_reader_agrees(tmp_path, 
     after_run = evaluations["late_data_after_run"]
     check_late = late_check.metadata["late_records"].value if "late_records" in late_check.metadata else 0
     observations = instance.get_event_records(
-        EventRecordsFilter(event_type=DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey(["cdc", "orders"])),
+        EventRecordsFilter(event_type=DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey("cdc_orders")),
         limit=1, ascending=False)
     metadata = observations[0].event_log_entry.asset_observation.metadata if observations else {}
     metadata_late = metadata["late_records_total"].value if "late_records_total" in metadata else None

@@ -12,7 +12,7 @@ loopback port, stopped by PID) holds three databases:
 A real `dagster-daemon` runs everything, as in production: the sync sensor launches
 `sync_orders` runs (CDC writer from the `postgres:` source, then the upsert of base.orders)
 through the queued run coordinator, and the finalization sensor requests one
-`activity/orders_hourly` run per finalized hour.
+`activity_orders_hourly` run per finalized hour.
 
 Crossing hour boundaries honestly
 ---------------------------------
@@ -38,13 +38,13 @@ the hour of the last workload commit, whatever the wall clock, and then checks
   (`pg_xact_commit_timestamp(xmin)`, independent of the CDC path), and every source row
   is in a finalized hour;
 - exactly one successful downstream run per finalized hour, none for an unfinalized hour,
-  and one `finalized/orders` event per hour in hour order;
+  and one `finalized_orders` event per hour in hour order;
 - the Dagster instance really lives in PostgreSQL, and the per-table limits of the queued
   run coordinator held (sync runs never overlapped; at most 2 downstream runs at once).
 
 It prints the end-to-end lag per hour: from the hour's close on the source clock (and
 from the hour's last source commit) to the base watermark passing it, the
-`finalized/orders` event and the downstream run's success. Run it with
+`finalized_orders` event and the downstream run's success. Run it with
 
     .venv/bin/python -m pytest partfin_assets_tests/test_postgres_deployment.py -s
 
@@ -91,7 +91,7 @@ FAKE_START_BEFORE_BOUNDARY = timedelta(minutes=50)  # the source clock starts at
 DRAIN_TIMEOUT = 150.0
 DOWNSTREAM = {"partfin/downstream": "orders"}  # the finalization sensor's runs: runs of the downstream asset
 SYNC_JOB = "sync_orders"
-FINALIZED = AssetKey(["finalized", "orders"])
+FINALIZED = AssetKey("finalized_orders")
 IN_FLIGHT = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
 
 ORDERS_DDL = "CREATE TABLE orders (id bigint PRIMARY KEY, user_id bigint, amount double precision, status text)"

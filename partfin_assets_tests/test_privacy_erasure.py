@@ -108,7 +108,7 @@ def test_one_request_erases_the_key_everywhere_and_nothing_brings_it_back(tmp_pa
     assert after == {}
 
     # a replay of the hour re-reads the recorded history, which still holds the key
-    replay = dagster(home, dagster_home, "asset", "materialize", "--select", "cdc/orders", "--partition", hour_key(hour),
+    replay = dagster(home, dagster_home, "asset", "materialize", "--select", "cdc_orders", "--partition", hour_key(hour),
                      source=source, start=start)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     upsert = partfin(home, "upsert", "--table", "orders")

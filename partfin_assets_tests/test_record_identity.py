@@ -3,7 +3,7 @@
 Two Debezium files ingested under two writer ids (the table's own writer and `backfill-1`, as the
 README recommends for a second source) both change hour 00; their line numbers, the records'
 positions, coincide. A replay of hour 00 as the operator runs it (a materialization of partition 00
-of `cdc/orders`) must re-create every record of both logs, report what it added and removed per log,
+of `cdc_orders`) must re-create every record of both logs, report what it added and removed per log,
 and leave base as it was.
 """
 

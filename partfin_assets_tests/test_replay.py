@@ -58,7 +58,7 @@ def test_replay_replaces_the_hour_and_keeps_the_watermark(catalog):
     assert summary[K.LATE_RECORDS] == "2"
     assert late_records_total(table.metadata) == 2
     assert late_data(catalog, "cdc.orders")[T0_US].records == 2
-    # partition metadata for the replayed hour (Dagster materialization of cdc/orders at that hour)
+    # partition metadata for the replayed hour (Dagster materialization of cdc_orders at that hour)
     (hour,) = checkpoint_hours(summary)
     assert hour.hour_us == T0_US and hour.records == 12
     # the writer goes on; the watermark moves on from stats-bearing commits only, never back

@@ -1,7 +1,7 @@
 """Replays reproduce, never invent: what a replay of hour H reads, and what it may remove.
 
 Each test is a scenario as an operator meets it: `partfin ingest` as a real process, then a replay
-of the hour as Dagster runs it (a materialization of partition H of `cdc/<table>`).
+of the hour as Dagster runs it (a materialization of partition H of `cdc_<table>`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from partfin_assets.testing import dagster_processes
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 from partfin_assets_tests.scenario_helpers import append_lines, change, hour_of_changes, ms, partfin
 
-CDC = AssetKey(["cdc", "orders"])
+CDC = AssetKey("cdc_orders")
 FILE_SPEC = dataclasses.replace(ORDERS_SPEC, watermark_policy="min-of-last:2")
 HOURS = ["2026-11-01T00:00:00Z", "2026-11-01T01:00:00Z", "2026-11-01T02:00:00Z", "2026-11-01T03:00:00Z"]
 H0_KEY = "2026-11-01-00:00"
@@ -119,7 +119,7 @@ def test_synthetic_replay_an_hour_later_reproduces_the_hour(tmp_path):
     for hour in (inside, oldest):
         replay = subprocess.run(
             ["faketime", "-f", "+1h", dagster_processes.bin_path("dagster"), "asset", "materialize", "-m", "partfin_assets.definitions",
-             "--select", "cdc/orders", "--partition", hour_key(hour)],
+             "--select", "cdc_orders", "--partition", hour_key(hour)],
             cwd=dagster_processes.REPO, env=env, capture_output=True, text=True, timeout=240,
         )
         assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]

@@ -50,7 +50,7 @@ def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_ac
     text = partfin(home, "status")
     assert text.returncode == 0 and "clock of writer b is at least" in text.stdout and "ahead of writer a's" in text.stdout
 
-    # the Dagster check of cdc/orders warns, naming both writers
+    # the Dagster check of cdc_orders warns, naming both writers
     monkeypatch.setenv("PARTFIN_HOME", str(home))
     from dagster import AssetCheckSeverity, DagsterInstance
 

@@ -10,6 +10,7 @@ platform and downstream asset lists the sensor that drives it under Automation d
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,24 +30,32 @@ from partfin_assets.finalization.read_points import AMENDMENT_TAG
 from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 from partfin_assets.testing import dagster_processes
 
-CDC, FINALIZED = AssetKey(["cdc", "orders"]), AssetKey(["finalized", "orders"])
+CDC, FINALIZED = AssetKey("cdc_orders"), AssetKey("finalized_orders")
 
-pytestmark = pytest.mark.timeout(420)
+# the demo's story must unfold within five minutes of its start; PARTFIN_UI_BUDGET_SECONDS widens that on a machine
+# other work keeps busy (the assertion then checks the wider budget, and says so)
+BUDGET_SECONDS = int(os.environ.get("PARTFIN_UI_BUDGET_SECONDS", "300"))
+pytestmark = pytest.mark.timeout(BUDGET_SECONDS + 300)
 
 SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster.md lists them too)
-    "1-asset-graph.png": "the asset graph upstream of activity/orders_hourly: platform, finalization, activity groups",
-    "2-cdc-hour-totals.png": "cdc/orders, the hour that finalized live: the whole hour's totals as partition metadata",
-    "3-cdc-checks.png": "cdc/orders checks on the latest materialization (late_data in WARN)",
+    "1-asset-graph.png": "the asset graph upstream of activity_orders_hourly, nodes rendered (no \"Loading…\"): "
+                         "cdc_orders -> base_orders -> finalized_orders -> activity_orders_hourly, each node named by layer and table",
+    "2-cdc-hour-totals.png": "cdc_orders, the hour that finalized live: the whole hour's totals as partition metadata, "
+                             "finalization_lag as a duration",
+    "3-cdc-checks.png": "cdc_orders checks on the latest materialization (late_data in WARN)",
     "4-late-data-warn-history.png": "the late_data check's execution history: the WARN across sync runs",
-    "5-base-latest-event.png": "base/orders: an executable asset with its latest materialization",
-    "6-finalized-partitions.png": "finalized/orders: the finalized hours as materialized partitions",
-    "7-late-data-rerun.png": "activity/orders_hourly: the downstream hour re-run for late data",
-    "8-cdc-links-report.png": "cdc/orders overview linking the finalization report",
+    "5-base-latest-event.png": "base_orders: an executable asset with its latest materialization",
+    "6-finalized-partitions.png": "finalized_orders: the finalized hours as materialized partitions",
+    "7-late-data-rerun.png": "activity_orders_hourly: the downstream hour re-run for late data (run_for, reason per event)",
+    "7b-late-data-rerun-run.png": "the re-run's run page, View tags and config: job activity_orders_job, partfin/run-for amendment, "
+                                  "partfin/reason \"late data: N record(s) reached hour ... after it was final\"",
+    "8-cdc-links-report.png": "cdc_orders overview linking the finalization report",
     "9-report.png": "the `partfin report` page",
-    "10-cdc-automation.png": "cdc/orders overview, Automation details: sensor sync_orders_sensor",
-    "11-base-automation.png": "base/orders overview, Automation details: sensor sync_orders_sensor",
-    "12-finalized-automation.png": "finalized/orders overview, Automation details: sensor finalize_orders_sensor",
-    "13-activity-automation.png": "activity/orders_hourly overview, Automation details: sensor finalize_orders_sensor",
+    "10-cdc-automation.png": "cdc_orders overview, Automation details: sensor sync_orders_sensor",
+    "11-base-automation.png": "base_orders overview, Automation details: sensor sync_orders_sensor",
+    "12-finalized-recorded-by.png": "finalized_orders overview: recorded_by sensor finalize_orders_sensor (a runless asset: "
+                                    "the sensor targets job activity_orders_job, so it is not listed under Automation details)",
+    "13-activity-automation.png": "activity_orders_hourly overview, Automation details: sensor finalize_orders_sensor",
 }
 
 
@@ -102,11 +111,23 @@ def sticky_late_warn(instance) -> str | None:
     return stayed[0] if stayed else None
 
 
-def late_rerun(instance) -> str | None:
-    """The partition of a successful downstream re-run that late data requested, if any."""
+def late_rerun(instance):
+    """A successful downstream re-run that late data requested, if any."""
     runs = instance.get_runs(filters=RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
                                                 tags={AMENDMENT_TAG: "true", "partfin/downstream": "orders"}), limit=1)
-    return runs[0].tags.get("dagster/partition") if runs else None
+    return runs[0] if runs else None
+
+
+LINEAGE = """{ assetNodes { assetKey { path } dependencyKeys { path } } }"""
+
+
+def lineage_edges(port: int) -> set[tuple[str, str]]:
+    """(upstream, downstream) asset keys as the running webserver's GraphQL API (the UI's source) reports them."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": LINEAGE}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        nodes = json.load(response)["data"]["assetNodes"]
+    return {("/".join(d["path"]), "/".join(n["assetKey"]["path"])) for n in nodes for d in n["dependencyKeys"]}
 
 
 def live_finalization(instance, event_clock_at_start_us: int) -> str | None:
@@ -156,16 +177,20 @@ def test_demo_in_chromium(tmp_path):
     started = time.monotonic()
     try:
         wait = lambda condition, what: dagster_processes.wait_for(  # noqa: E731
-            condition, 300 - (time.monotonic() - started), what, interval=2, on_timeout=proc.log_tail)
+            condition, BUDGET_SECONDS - (time.monotonic() - started), what, interval=2, on_timeout=proc.log_tail)
         wait(lambda: webserver_up(port), "the webserver")
         live = wait(lambda: live_finalization(instance, to_us(event_at_start)), "an hour finalizing live")
         stayed = wait(lambda: sticky_late_warn(instance), "a late_data WARN that stays across sync runs")
-        rerun = wait(lambda: late_rerun(instance), "a downstream re-run requested by late data")
+        rerun_run = wait(lambda: late_rerun(instance), "a downstream re-run requested by late data")
+        rerun = rerun_run.tags["dagster/partition"]
         elapsed = time.monotonic() - started
         print(f"live finalization of {live}, late WARN on {stayed} stayed, late re-run of {rerun}: {elapsed:.0f}s after start")
-        assert elapsed < 300  # the issue's "within five minutes" of starting the demo
+        assert elapsed < BUDGET_SECONDS  # the issue's "within five minutes" of starting the demo (300 s by default)
+        # a healthy catch-up never makes watermark_fresh WARN
+        fresh = check_history(instance, CDC, "watermark_fresh")
+        assert fresh and all(evaluation(record).passed for record in fresh), [evaluation(r).description for r in fresh if not evaluation(r).passed]
 
-        # the checks of cdc/orders ran in the run of its latest materialization (the UI: not "Not evaluated")
+        # the checks of cdc_orders ran in the run of its latest materialization (the UI: not "Not evaluated")
         latest = instance.fetch_materializations(AssetRecordsFilter(asset_key=CDC), limit=1).records[0]
         newest_checks = {name: check_history(instance, CDC, name, limit=1)[0] for name in ("late_data", "watermark_monotonic")}
         sync_runs = [r.run_id for r in instance.get_runs(filters=RunsFilter(job_name="sync_orders"), limit=3)]
@@ -208,59 +233,85 @@ def test_demo_in_chromium(tmp_path):
                 page.get_by_role("button", name="Skip").first.click(timeout=15_000)
             except Exception:  # noqa: BLE001 - not shown in this Dagster build: nothing to dismiss
                 pass
-            graph = open_page("/assets/activity/orders_hourly?view=lineage&lineageScope=upstream&lineageDepth=3",
-                              ["platform", "orders_hourly"], "1-asset-graph.png")
-            assert "platform" in graph and "activity" in graph and "orders_hourly" in graph
-            # 2: the live-finalized hour of cdc/orders shows the hour's totals
-            detail = open_page(f"/assets/cdc/orders?view=partitions&partition={live}",
+            # 1: the lineage reads the contract, and each node names its layer and table (Dagster shows a key's last
+            # component on a node: data-tooltip carries it); the screenshot waits until no node says "Loading…"
+            chain = ["cdc_orders", "base_orders", "finalized_orders", "activity_orders_hourly"]
+            assert set(zip(chain, chain[1:])) <= lineage_edges(port)
+            assert ("base_orders", "activity_orders_hourly") not in lineage_edges(port)
+            page.goto(base_url + "/assets/activity_orders_hourly?view=lineage&lineageScope=upstream&lineageDepth=4",
+                      wait_until="domcontentloaded")
+            for name in chain:
+                page.locator(f'[data-tooltip="{name}"]').first.wait_for(timeout=60_000)
+            page.wait_for_function("() => !document.body.innerText.includes('Loading')", timeout=60_000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(shots / "1-asset-graph.png"))
+            graph = page.inner_text("body")
+            assert "Loading" not in graph and all(name in graph for name in chain)
+            # 2: the live-finalized hour of cdc_orders shows the hour's totals
+            detail = open_page(f"/assets/cdc_orders?view=partitions&partition={live}",
                                [live, "finalization_lag_seconds"], "2-cdc-hour-totals.png")
-            for name in ("records", "late_records", "event_time_p50", "event_time_p99", "finalized_at", "finalization_lag_seconds"):
+            for name in ("records", "late_records", "event_time_p50", "event_time_p99", "finalized_at", "finalization_lag_seconds",
+                         "arrival_delay_p50", "arrival_delay_p99", "arrival_delay_max", "late_share"):
                 assert name in detail, name
+            # the lag also as a duration people read ("1 h 12 min"), not only 4321.5 seconds
+            assert re.search(r"\nfinalization_lag\s+(\d+ d \d+ h|\d+ h \d+ min|\d+ min( \d+ s)?|\d+ s)\s", detail)
             # the number on the page is one the hour's materializations recorded (late records may have come since)
             shown_records = int(re.search(r"\nrecords\s+([\d,]+)\s", detail).group(1).replace(",", ""))
             recorded = {r.event_log_entry.asset_materialization.metadata["records"].value for r in instance.fetch_materializations(
                 AssetRecordsFilter(asset_key=CDC, asset_partitions=[live]), limit=100).records}
             assert shown_records in recorded and shown_records >= expected[live]
-            # 3: check results on the latest materialization of cdc/orders, late_data in WARN
-            checks = open_page("/assets/cdc/orders?view=checks", ["late_data", "watermark_monotonic"], "3-cdc-checks.png")
+            # 3: check results on the latest materialization of cdc_orders, late_data in WARN
+            checks = open_page("/assets/cdc_orders?view=checks", ["late_data", "watermark_monotonic"], "3-cdc-checks.png")
             assert "Not evaluated" not in checks
             # 4: the late_data check's history: the WARN stayed over several sync runs
             page.get_by_text("Execution history").first.click()
             page.get_by_text("the downstream has not run with yet", exact=False).first.wait_for(timeout=60_000)
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "4-late-data-warn-history.png"))
-            # 5: base/orders: an executable asset with its latest event and partitions
-            base = open_page("/assets/base/orders", ["Latest materialization", "finalization_lag_seconds"], "5-base-latest-event.png")
+            # 5: base_orders: an executable asset with its latest event and partitions
+            base = open_page("/assets/base_orders", ["Latest materialization", "finalization_lag_seconds"], "5-base-latest-event.png")
             assert "External Asset" not in base and "Never materialized" not in base
-            # 6: finalized/orders: the partitions that finalized, with status
-            finalized = open_page("/assets/finalized/orders?view=partitions", ["Materialized ("], "6-finalized-partitions.png")
+            # 6: finalized_orders: the partitions that finalized, with status
+            finalized = open_page("/assets/finalized_orders?view=partitions", ["Materialized ("], "6-finalized-partitions.png")
             assert re.search(r"Materialized \((?!0\))\d+\)", finalized)
             # 7: the downstream hour re-run for late data, materialized again
-            rerun_page = open_page(f"/assets/activity/orders_hourly?view=partitions&partition={rerun}", [rerun, "live_rows"],
+            rerun_page = open_page(f"/assets/activity_orders_hourly?view=partitions&partition={rerun}", [rerun, "live_rows"],
                                    "7-late-data-rerun.png")
             events = re.search(r"historical events \((\d+)\)", rerun_page)
             assert events and int(events.group(1)) >= 2  # its first run, then the re-run for late data
+            assert "amendment" in rerun_page and "late data: " in rerun_page  # the event says which and why
+            # 7b: the re-run's run page: the named job, which event of the hour and why
+            page.goto(f"{base_url}/runs/{rerun_run.run_id}", wait_until="domcontentloaded")
+            page.get_by_text("activity_orders_job").first.wait_for(timeout=60_000)
+            page.get_by_text("View tags and config").first.click()
+            page.get_by_text("partfin/reason").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(shots / "7b-late-data-rerun-run.png"))
+            run_page = page.inner_text("body")
+            assert "__ASSET_JOB" not in run_page and "late data: " in run_page and "amendment" in run_page
+            page.keyboard.press("Escape")
             # 8: the report page the cdc asset links to (written by a sync run), self-contained
             report = home / "reports" / "orders.html"
             wait(lambda: report.exists(), "the finalization report")
-            overview = open_page("/assets/cdc/orders", ["finalization_report"], "8-cdc-links-report.png")
-            assert str(report) in overview
+            overview = open_page("/assets/cdc_orders", ["finalization_report"], "8-cdc-links-report.png")
+            assert str(report) in overview and "cdc_orders" in overview  # the page header names layer and table
             page_text = open_page(report.as_uri(), ["Watermark over wall time", "Finalization lag per hour"], "9-report.png")
             assert "watermark policy" in page_text and page.locator(".plotly-graph-div").count() == 1
-            # 10-13: each asset's overview lists, under Automation details, the sensor that drives it (a link to it)
-            for number, (path, sensor) in enumerate((("cdc/orders", "sync_orders_sensor"), ("base/orders", "sync_orders_sensor"),
-                                                     ("finalized/orders", "finalize_orders_sensor"),
-                                                     ("activity/orders_hourly", "finalize_orders_sensor")), start=10):
+            # 10-13: each asset's overview names the sensor that drives it (Automation details links it; finalized: recorded_by)
+            recorded_by = open_page("/assets/finalized_orders", ["recorded_by"], "12-finalized-recorded-by.png")
+            assert "sensor finalize_orders_sensor" in recorded_by
+            for number, (path, sensor) in ((10, ("cdc_orders", "sync_orders_sensor")), (11, ("base_orders", "sync_orders_sensor")),
+                                           (13, ("activity_orders_hourly", "finalize_orders_sensor"))):
                 page.goto(f"{base_url}/assets/{path}", wait_until="domcontentloaded")
                 page.get_by_text("Automation details").first.wait_for(timeout=60_000)
                 listed = page.locator(f'a[href*="/sensors/{sensor}"]').first
                 listed.wait_for(timeout=60_000)
                 listed.scroll_into_view_if_needed()
                 page.wait_for_timeout(1000)
-                page.screenshot(path=str(shots / f"{number}-{path.split('/')[0]}-automation.png"))
+                page.screenshot(path=str(shots / f"{number}-{path.split('_')[0]}-automation.png"))
                 assert "No automations found" not in page.inner_text("body"), path
             browser.close()
-        for name in sorted((p.name for p in shots.iterdir()), key=lambda n: int(n.split("-")[0])):
+        for name in sorted((p.name for p in shots.iterdir()), key=lambda n: (int(re.match(r"\d+", n).group()), n)):
             print(f"{shots / name}: {SCREENSHOTS[name]}")
     finally:
         proc.stop()

@@ -1,13 +1,13 @@
 """A downstream team's own code location, built only on partfin's finalization event (and its Dagster-free readers).
 
 Contract (partfin docs/dagster.md, "Subscribing to finalized hours"): when hour H of table T is
-final, one runless materialization of asset `finalized/<T>` with partition H
+final, one runless materialization of asset `finalized_<T>` with partition H
 (`YYYY-MM-DD-HH:00`, UTC) is recorded, in hour order, naming the base snapshot
 (`base_snapshot_id`) that holds the hour's final rows. When late records reach H after
 that, an amendment of H is recorded (`amendment: true`, `late_records`, the base snapshot
 that carries them).
 
-This sensor reads every new materialization of `finalized/orders` after the storage id
+This sensor reads every new materialization of `finalized_orders` after the storage id
 in its cursor, so several hours that finalize in one tick all get a run (an
 `@asset_sensor` only sees the newest event per tick and would skip hours), and amendments
 get a re-run. Each run is tagged with the event's base snapshot and reads base.orders at it
@@ -38,7 +38,7 @@ from dagster import (
     sensor,
 )
 
-FINALIZED_ORDERS = AssetKey(["finalized", "orders"])  # partfin's well-known key
+FINALIZED_ORDERS = AssetKey("finalized_orders")  # partfin's well-known key
 HOURLY = HourlyPartitionsDefinition(
     start_date=os.environ.get("PARTFIN_PARTITIONS_START", "2026-01-01-00:00"), end_offset=1, timezone="UTC"
 )
@@ -46,7 +46,7 @@ MAX_EVENTS_PER_TICK = 200
 
 
 def newest_finalization(context: AssetExecutionContext) -> dict:
-    """Metadata of the newest `finalized/orders` event (finalization or amendment) of this run's hour."""
+    """Metadata of the newest `finalized_orders` event (finalization or amendment) of this run's hour."""
     records = context.instance.fetch_materializations(
         AssetRecordsFilter(asset_key=FINALIZED_ORDERS, asset_partitions=[context.partition_key]), limit=1
     ).records
@@ -78,7 +78,7 @@ def orders_revenue_hourly(context: AssetExecutionContext) -> MaterializeResult:
     # the run's tag (set by the sensor below; a retry keeps it), else the hour's newest event
     point = read_point(context.run.tags, newest_finalization(context))
     if point.snapshot_id is None:
-        raise Failure(f"no finalized/orders event of hour {context.partition_key} names a base snapshot: the hour is not final yet", allow_retries=False)
+        raise Failure(f"no finalized_orders event of hour {context.partition_key} names a base snapshot: the hour is not final yet", allow_retries=False)
     try:  # the live rows of the hour at that snapshot
         rows = read_base(load_partfin_catalog(), "orders", snapshot_id=point.snapshot_id,
                          row_filter=And(GreaterThanOrEqual("_event_time", lo), LessThan("_event_time", hi)))
@@ -97,7 +97,7 @@ revenue_job = define_asset_job("orders_revenue_hourly_job", selection=[orders_re
 
 @sensor(job=revenue_job, minimum_interval_seconds=30)
 def on_orders_hour_finalized(context: SensorEvaluationContext) -> SensorResult:
-    """One run per finalized hour of orders, and one per amendment: every new `finalized/orders` event, in order."""
+    """One run per finalized hour of orders, and one per amendment: every new `finalized_orders` event, in order."""
     from partfin_assets.finalization.read_points import read_tags
 
     after = int(context.cursor) if context.cursor else None

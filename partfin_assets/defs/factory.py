@@ -32,7 +32,7 @@ def table_definitions(table: PartfinTable) -> Definitions:
         schedules=[compaction_schedule, maintenance_schedule],
         sensors=[
             build_sync_sensor(table, sync_job),
-            build_finalization_sensor(table),
+            build_finalization_sensor(table, activity_job),
             build_checks_sensor(table, checks_job),
         ],
     )

@@ -44,26 +44,39 @@ class PartfinTable:
     def name(self) -> str:
         return self.spec.name
 
+    # Asset keys are one component, `<layer>_<table>`: Dagster 1.13's graph nodes show only a key's last component
+    # and it has no display name for assets, so keys `cdc_orders` and `base_orders` both read "orders" (docs/dagster.md).
+    def layer_key(self, layer: str, suffix: str = "") -> AssetKey:
+        return AssetKey(f"{layer}_{self.name}{suffix}")
+
     @property
     def cdc_key(self) -> AssetKey:
-        return AssetKey(["cdc", self.name])
+        return self.layer_key("cdc")
 
     @property
     def base_key(self) -> AssetKey:
-        return AssetKey(["base", self.name])
+        return self.layer_key("base")
 
     @property
     def finalized_key(self) -> AssetKey:
         """The well-known key downstream teams subscribe to: one runless event per finalized hour."""
-        return AssetKey(["finalized", self.name])
+        return self.layer_key("finalized")
 
     @property
     def activity_key(self) -> AssetKey:
-        return AssetKey(["activity", f"{self.name}_hourly"])
+        return self.layer_key("activity", "_hourly")
+
+    def previous_key(self, key: AssetKey) -> AssetKey | None:
+        """The key the release before flat keys recorded `key`'s events under (`cdc/orders` for `cdc_orders`): an
+        upgraded instance keeps those events, and they still count (docs/dagster.md, "Upgrading from `cdc/<table>` keys")."""
+        previous = {self.cdc_key: AssetKey(["cdc", self.name]), self.base_key: AssetKey(["base", self.name]),
+                    self.finalized_key: AssetKey(["finalized", self.name]),
+                    self.activity_key: AssetKey(["activity", f"{self.name}_hourly"])}
+        return previous.get(key)
 
     @property
     def platform_op_name(self) -> str:
-        """The one op (a multi-asset) that writes cdc/<table> and base/<table>: the sync, or a manual partition."""
+        """The one op (a multi-asset) that writes cdc_<table> and base_<table>: the sync, or a manual partition."""
         return f"cdc_and_base_{self.name}"
 
     @property
@@ -125,7 +138,7 @@ TABLES: list[PartfinTable] = [
 def table_sensor(table: PartfinTable, kind: str, declared_interval: int, description: str, *, job=None, asset_selection=None):
     """The `@sensor` of one kind for one table: `<kind>_<table>_sensor`, its interval (overridable) and default status.
     It targets a `job`, or an `asset_selection` (the UI lists the sensor on those assets' pages; a job cannot hold an
-    asset that only a sensor records, such as finalized/<table>)."""
+    asset that only a sensor records, such as finalized_<table>)."""
     return sensor(name=f"{kind}_{table.name}_sensor", job=job, asset_selection=asset_selection,
                   minimum_interval_seconds=sensor_interval(kind, declared_interval),
                   default_status=sensor_default_status(kind), description=description)

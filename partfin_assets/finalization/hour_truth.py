@@ -1,6 +1,6 @@
 """What an hour partition shows: the whole hour's truth from the late-data ledger, never one commit's share.
 
-Each hour partition of cdc/<table> and base/<table> reports, after the commits that touched it,
+Each hour partition of cdc_<table> and base_<table> reports, after the commits that touched it,
 the totals of the hour over every checkpoint the ledger recorded (iceberg/ledger.py
 `hour_totals`): records, late records, event-time min/max/p50/p99, whether the hour is final
 under the layer's watermark, when it finalized (`finalized_at`: the commit clock of the first
@@ -104,7 +104,7 @@ def hour_truths(
 ) -> list[HourTruth]:
     """The truth of each of `hours` (epoch us) under `watermark_us` (the layer's: cdc or base).
 
-    `finalized_at` overrides the ledger's finalization time of an hour (base/<table>: the upsert
+    `finalized_at` overrides the ledger's finalization time of an hour (base_<table>: the upsert
     that carried the watermark past it); hours the ledger has no rows for report 0 records.
     """
     wanted = sorted({floor_hour_us(h) for h in hours})

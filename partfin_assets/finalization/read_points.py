@@ -1,6 +1,6 @@
 """Which base snapshot the downstream run of hour H reads: the one H's newest finalization event names.
 
-The finalization sensor records one `finalized/<table>` event per hour when it finalizes, naming the
+The finalization sensor records one `finalized_<table>` event per hour when it finalizes, naming the
 base snapshot current then; when late records for an hour that was already final reach base, it
 records an *amendment* of that hour naming the base snapshot that carries them (`amendment: true`,
 `late_records`) and requests a re-run. A downstream run of H reads base at the snapshot of H's newest
@@ -33,6 +33,8 @@ from partfin_assets.model.timeutil import iso_z
 
 BASE_SNAPSHOT_TAG = "partfin/base-snapshot-id"  # run tag: the base snapshot the run reads
 AMENDMENT_TAG = "partfin/amendment"  # run tag: "true" on a re-run requested for late data
+RUN_FOR_TAG = "partfin/run-for"  # run tag: "finalization" or "amendment" (which event of the hour the run is for)
+REASON_TAG = "partfin/reason"  # run tag: why the run was requested, in words (the Runs list shows it)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def base_position(catalog: Catalog, base: Table, snapshot_id: int | None = None)
 
 
 def finalization_metadata(hour_us: int, watermark_us: int, position: BasePosition, late: LateHour | None = None) -> dict[str, Any]:
-    """Metadata of a `finalized/<table>` event of hour H (an amendment when `late` names H's late records)."""
+    """Metadata of a `finalized_<table>` event of hour H (an amendment when `late` names H's late records)."""
     out: dict[str, Any] = {
         "hour": iso_z(hour_us),
         "watermark": iso_z(watermark_us),
@@ -84,6 +86,15 @@ def finalization_metadata(hour_us: int, watermark_us: int, position: BasePositio
         out["late_records"] = late.records
         out["late_commits"] = [c.snapshot_id for c in late.commits]
     return out
+
+
+def run_reason_tags(hour_us: int, late: LateHour | None) -> dict[str, str]:
+    """Run tags saying which event of the hour a downstream run is for and why: the hour became final (its
+    finalization) or late records reached it after (an amendment)."""
+    if late is None:
+        return {RUN_FOR_TAG: "finalization", REASON_TAG: f"hour {iso_z(hour_us)} became final"}
+    return {RUN_FOR_TAG: "amendment",
+            REASON_TAG: f"late data: {late.records} record(s) reached hour {iso_z(hour_us)} after it was final"}
 
 
 def amendments(late: Mapping[int, LateHour], seen_sequence: Mapping[int, int | None]) -> dict[int, LateHour]:

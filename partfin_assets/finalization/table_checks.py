@@ -1,7 +1,7 @@
 """The asset checks' logic, free of Dagster: table properties, snapshot summaries and the late-data ledger only.
 
 The Dagster layer evaluates them twice: in the checks job, and inside every sync run right after
-the materializations it reports (so the latest materialization of cdc/<table> and base/<table>
+the materializations it reports (so the latest materialization of cdc_<table> and base_<table>
 always carries its check results). Both wrap the same `CheckOutcome`.
 
 cdc:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
@@ -24,7 +24,8 @@ from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, now_utc, to_us
+from partfin_assets.model.stats import commit_clock_us, source_clock_us
+from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, iso_z, now_utc, parse_iso, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
 WARN, ERROR = "WARN", "ERROR"
@@ -51,6 +52,8 @@ class CheckThresholds:
     lag_warn_seconds: int
     lag_error_seconds: int
     base_max_lag_seconds: int
+    # a writer that committed within this long is live: a watermark far behind now is a backlog it is catching up on
+    live_writer_seconds: int = 600
 
 
 def _iso(us: int | None) -> str | None:
@@ -58,18 +61,50 @@ def _iso(us: int | None) -> str | None:
 
 
 def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us: int | None = None) -> CheckOutcome:
+    """The watermark trails now by at most the limits, or the writer is catching up: it committed recently, its source
+    clock gains on the wall clock, and the watermark trails the newest record it committed by at most the limits (a
+    backlog being read is healthy; a writer that stopped, or reads a source stuck in the past, is not)."""
     cdc = load_table_if_exists(catalog, f"cdc.{name}")
     watermark = watermark_of(cdc.properties) if cdc is not None else None
     if watermark is None:
         return CheckOutcome(False, f"cdc.{name} has no watermark yet")
-    lag = lag_seconds(watermark, to_us(now_utc()) if now_us is None else now_us)
+    now = to_us(now_utc()) if now_us is None else now_us
+    lag = lag_seconds(watermark, now)
+    metadata = {"watermark": iso_z(watermark), "lag_seconds": lag, "lag": format_duration(lag),
+                "warn_after_seconds": limits.lag_warn_seconds, "error_after_seconds": limits.lag_error_seconds,
+                "warn_after": format_duration(limits.lag_warn_seconds), "error_after": format_duration(limits.lag_error_seconds)}
+    description = f"watermark {iso_z(watermark)} trails now by {format_duration(lag)}"
+    newest = _newest_checkpoint(cdc)
+    if newest is not None and lag > limits.lag_warn_seconds:
+        committed_us, newest_event_us = newest
+        behind_newest = lag_seconds(watermark, newest_event_us)
+        if lag_seconds(committed_us, now) <= limits.live_writer_seconds and behind_newest <= limits.lag_warn_seconds:
+            backlog = lag_seconds(newest_event_us, now)
+            return CheckOutcome(True, f"catching up: watermark {iso_z(watermark)} trails the newest record committed by "
+                                f"{format_duration(behind_newest)}; the writer is {format_duration(backlog)} behind now",
+                                metadata={**metadata, "catching_up": True, "behind_newest_record": format_duration(behind_newest),
+                                          "backlog": format_duration(backlog)})
     return CheckOutcome(
         passed=lag <= limits.lag_warn_seconds,
         severity=ERROR if lag > limits.lag_error_seconds else WARN,
-        description=f"watermark {iso_z(watermark)} trails now by {lag:.0f}s",
-        metadata={"watermark": iso_z(watermark), "lag_seconds": lag,
-                  "warn_after_seconds": limits.lag_warn_seconds, "error_after_seconds": limits.lag_error_seconds},
+        description=description,
+        metadata=metadata,
     )
+
+
+def _newest_checkpoint(cdc) -> tuple[int, int] | None:
+    """(commit clock, newest event time) of the table's current snapshot when it is a writer's checkpoint whose source
+    clock gains on the wall clock since the checkpoint before it (a backlog shrinking), else None."""
+    snapshot = cdc.current_snapshot()
+    parent = cdc.snapshot_by_id(snapshot.parent_snapshot_id) if snapshot is not None and snapshot.parent_snapshot_id else None
+    summaries = [s.summary.additional_properties if s is not None and s.summary is not None else {} for s in (snapshot, parent)]
+    if not all(K.EVENT_TIME_MAX in s and K.COMMIT_CLOCK in s and K.SOURCE_CLOCK in s for s in summaries):
+        return None
+    newest, before = summaries
+    gained = (source_clock_us(newest) - source_clock_us(before)) - (commit_clock_us(newest) - commit_clock_us(before))
+    if gained <= 0:
+        return None
+    return commit_clock_us(newest), to_us(parse_iso(newest[K.EVENT_TIME_MAX]))
 
 
 def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:

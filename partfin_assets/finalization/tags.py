@@ -1,6 +1,6 @@
 """Finalized hours as Iceberg tags on base.<table>: what any engine can read, not only Dagster.
 
-Each finalization of hour H tags the base snapshot its `finalized/<table>` event names
+Each finalization of hour H tags the base snapshot its `finalized_<table>` event names
 `finalized-YYYY-MM-DD-HH` (UTC); each amendment of H (late records reached H after it was final) tags
 the snapshot that carries them `finalized-YYYY-MM-DD-HH-amend-N`, N = 1, 2, ... So
 `SELECT ... FROM base.t FOR VERSION AS OF 'finalized-2026-12-03-06'` (Spark, Trino) reads H exactly as

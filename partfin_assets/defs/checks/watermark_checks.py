@@ -1,12 +1,12 @@
 """Asset checks of each table: thin wrappers over finalization/table_checks.py (metadata and the late-data ledger only).
 
-cdc/<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
-base/<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
+cdc_<table>:  watermark_fresh, watermark_monotonic, late_data, rejected_input, writer_clocks
+base_<table>: watermark_matches_merged_cdc_snapshot, watermark_lag_vs_cdc, quarantined_changes
 downstream:   late_data_after_run
 
 The cdc and base checks are evaluated twice with the same code: by the checks job, and inside
 every sync run right after its materializations (`sync_check_evaluations`), so the latest
-materialization of cdc/<table> and base/<table> always carries its check results.
+materialization of cdc_<table> and base_<table> always carries its check results.
 """
 
 import dataclasses
@@ -19,7 +19,6 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetKey,
-    AssetRecordsFilter,
     AssetSelection,
     DagsterInstance,
     RunRequest,
@@ -30,6 +29,7 @@ from dagster import (
 )
 from pyiceberg.catalog import Catalog
 
+from partfin_assets.defs.asset_history import latest_partition_materialization
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization import table_checks as tc
@@ -43,16 +43,15 @@ def _limits(table: PartfinTable) -> tc.CheckThresholds:
     return tc.CheckThresholds(table.lag_warn_seconds, table.lag_error_seconds, table.base_max_lag_seconds)
 
 
-def downstream_runs(instance: DagsterInstance, key: AssetKey) -> Callable[[list[int]], dict[int, tc.DownstreamRun]]:
+def downstream_runs(instance: DagsterInstance, table: PartfinTable) -> Callable[[list[int]], dict[int, tc.DownstreamRun]]:
     """hours -> the latest materialization of each hour's downstream partition (what it read, when)."""
 
     def runs(hours: list[int]) -> dict[int, tc.DownstreamRun]:
         out = {}
         for hour in hours:
-            records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[hour_key(hour)]), limit=1).records
-            if not records:
+            entry = latest_partition_materialization(instance, table, table.activity_key, hour_key(hour))
+            if entry is None:
                 continue
-            entry = records[0].event_log_entry
             materialization = entry.asset_materialization
             seq = materialization.metadata.get("cdc_sequence_number") if materialization else None
             out[hour] = tc.DownstreamRun(int(seq.value) if seq is not None and isinstance(seq.value, int) else None,
@@ -69,7 +68,7 @@ def table_check_outcomes(table: PartfinTable, catalog: Catalog, instance: Dagste
         return {
             "watermark_fresh": tc.watermark_fresh(catalog, name, _limits(table)),
             "watermark_monotonic": tc.watermark_monotonic(catalog, name),
-            "late_data": _with_policy_metadata(tc.late_data_outcome(catalog, name, downstream_runs(instance, table.activity_key)),
+            "late_data": _with_policy_metadata(tc.late_data_outcome(catalog, name, downstream_runs(instance, table)),
                                                catalog, name),
             "rejected_input": tc.bad_input(catalog, f"cdc.{name}__rejected", f"source line(s) of cdc.{name} could not be read"),
             "writer_clocks": tc.clock_disagreements(catalog, name),
@@ -88,7 +87,7 @@ def _result(outcome: tc.CheckOutcome) -> AssetCheckResult:
 
 
 def sync_check_evaluations(table: PartfinTable, catalog: Catalog, instance: DagsterInstance, layer: str) -> list[AssetCheckEvaluation]:
-    """The checks of cdc/<table> or base/<table> as events of the sync run that just materialized it."""
+    """The checks of cdc_<table> or base_<table> as events of the sync run that just materialized it."""
     key = table.cdc_key if layer == "cdc" else table.base_key
     return [
         AssetCheckEvaluation(asset_key=key, check_name=check, passed=o.passed, severity=AssetCheckSeverity(o.severity),
@@ -135,7 +134,7 @@ def build_checks(table: PartfinTable):
     @asset_check(asset=table.activity_key, name="late_data_after_run",
                  description=f"Late records arrived in cdc.{name} for an hour after that hour's partition ran; names the partitions to re-run (WARN).")
     def late_after(context, catalog: IcebergCatalogResource) -> AssetCheckResult:
-        return _result(tc.late_data_after_run(catalog.load(), name, downstream_runs(context.instance, table.activity_key)))
+        return _result(tc.late_data_after_run(catalog.load(), name, downstream_runs(context.instance, table)))
 
     checks = [*cdc_checks, *base_checks, late_after]
     checks_job = define_asset_job(
@@ -151,7 +150,7 @@ def build_checks(table: PartfinTable):
 def build_checks_sensor(table: PartfinTable, checks_job):
     @table_sensor(table, "checks", table.checks_interval_seconds, job=checks_job, description=(
         f"Runs late_data_after_run of {table.activity_key.to_user_string()} whenever cdc, base or the downstream "
-        f"asset changed (the cdc/{table.name} and base/{table.name} checks run inside every sync run)."))
+        f"asset changed (the cdc_{table.name} and base_{table.name} checks run inside every sync run)."))
     def checks_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):
         state = []
         for identifier in (f"cdc.{table.name}", f"base.{table.name}"):

@@ -21,7 +21,15 @@ from partfin_assets.defs.finalization.sensor import newest_finalization_event
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.finalization.hours import hour_from_key, is_finalized, not_finalized_reason
-from partfin_assets.finalization.read_points import BASE_SNAPSHOT_TAG, ReadPoint, base_position, read_point, read_tags
+from partfin_assets.finalization.read_points import (
+    BASE_SNAPSHOT_TAG,
+    REASON_TAG,
+    RUN_FOR_TAG,
+    ReadPoint,
+    base_position,
+    read_point,
+    read_tags,
+)
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, read_base, snapshot_unavailable_reason
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.testing.faults import fail_once
@@ -45,20 +53,23 @@ def build_activity_asset(table: PartfinTable):
 
     @asset(
         key=table.activity_key,
-        deps=[table.base_key],
+        # lineage follows the contract (cdc -> base -> finalized -> downstream): it runs once per finalized hour,
+        # and reads base at the snapshot that hour's finalized event names
+        deps=[table.finalized_key],
         partitions_def=table.partitions_def(),
         group_name="activity",
         owners=[table.downstream_owner],
         kinds={"polars", "parquet"},
-        description=f"Hourly activity of {name}: rows changed per 5 minutes (live / deleted), from base.{name}, "
-        "computed once per finalized hour.",
+        description=f"Hourly activity of {name}: rows changed per 5 minutes (live / deleted), from base.{name} at the "
+        f"snapshot the hour's {table.finalized_key.to_user_string()} event names, computed once per finalized hour (and again "
+        "for an amendment: late data).",
     )
     def activity(context: AssetExecutionContext, config: ActivityConfig, catalog: IcebergCatalogResource) -> MaterializeResult:
         partition_key = context.partition_key
         hour = hour_from_key(partition_key)
         iceberg = catalog.load()
         base = iceberg.load_table(f"base.{name}")
-        point = read_point(context.run.tags, newest_finalization_event(context.instance, table.finalized_key, partition_key))
+        point = read_point(context.run.tags, newest_finalization_event(context.instance, table, partition_key))
         if point.snapshot_id is None:  # no finalization event: the current snapshot of this one metadata version
             point = dataclasses.replace(point, snapshot_id=base.current_snapshot().snapshot_id if base.current_snapshot() else None)
         unavailable = snapshot_unavailable_reason(base, point.snapshot_id) if point.snapshot_id is not None else None
@@ -112,6 +123,9 @@ def build_activity_asset(table: PartfinTable):
                     "forced": bool(config.force and (unavailable or not is_finalized(hour, watermark))),
                     "base_snapshot_id": point.snapshot_id,
                     "base_snapshot_origin": point.origin,
+                    # which event of the hour this run is for, and why (the sensor's run tags; a run by hand has none)
+                    "run_for": context.run.tags.get(RUN_FOR_TAG, "a run by hand"),
+                    "reason": context.run.tags.get(REASON_TAG, "launched by hand"),
                     "cdc_snapshot_id": position.cdc_snapshot_id,
                     "cdc_sequence_number": position.cdc_sequence_number,
                     "path": str(path),
@@ -124,7 +138,7 @@ def build_activity_asset(table: PartfinTable):
         selection=[table.activity_key],
         executor_def=in_process_executor,  # one process per run: a run is one small step
         tags=table.downstream_tags,
-        description=f"One hour of {table.activity_key.to_user_string()}, by hand (finalize_{name}_sensor requests the "
-        "finalized hours as runs of the asset itself, with the same tags).",
+        description=f"One hour of {table.activity_key.to_user_string()}: finalize_{name}_sensor runs it once per finalized "
+        "hour and once per amendment (tags partfin/run-for, partfin/reason say which and why); by hand, any hour.",
     )
     return activity, job

@@ -1,4 +1,4 @@
-"""Exactly once per finalized hour: the watermark-driven sensor and the runless `finalized/<table>` event.
+"""Exactly once per finalized hour: the watermark-driven sensor and the runless `finalized_<table>` event.
 
 Each tick reads base.<table>'s metadata (its `partfin.watermark` property and current snapshot) and
 walks the hours from its cursor up to that watermark in order:
@@ -7,7 +7,7 @@ walks the hours from its cursor up to that watermark in order:
   with the base snapshot the run reads (finalization/read_points.py): the cursor makes each hour
   come up once, the run_key makes the daemon drop a re-request if a tick dies after submitting but
   before storing its cursor;
-- a runless AssetMaterialization of `finalized/<table>`, partition = the hour, naming that base
+- a runless AssetMaterialization of `finalized_<table>`, partition = the hour, naming that base
   snapshot, for other teams' sensors; emitted only for hours not recorded yet, so a repeated tick
   does not emit it twice;
 - an Iceberg tag `finalized-<hour>` on base.<table> at that snapshot (`-amend-N` for an amendment),
@@ -20,10 +20,11 @@ hour gets an *amendment* event (`amendment: true`, `late_records`, the base snap
 them) and a re-run, run_key `<table>:<hour>:amendment:<base snapshot id>`, unless an acknowledgement
 covers those late records (`partfin late-data ack`: no re-run needed).
 
-The sensor targets both assets it drives (`finalized/<table>` and the downstream asset), so both
-asset pages list it under Automations; its runs are runs of the downstream asset (Dagster's implicit
-asset job, carrying the downstream job's tags), since a job cannot hold `finalized/<table>`, which
-only the sensor records.
+The sensor targets the downstream job `activity_<table>_job`, so its runs appear under that name
+(not Dagster's jobless `__ASSET_JOB`), each tagged with which event of the hour it is for and why
+(`partfin/run-for`, `partfin/reason`). A job cannot hold `finalized_<table>`, which only the sensor
+records, and a sensor targets either jobs or an asset selection: so the asset page of
+`finalized_<table>` names the sensor in its description and metadata, not under Automations.
 
 The cursor is the first hour not yet handled and the cdc sequence number base had merged; with the
 daemon down nothing is lost: the next tick walks every hour that finalized meanwhile (at most
@@ -34,7 +35,6 @@ daemon down nothing is lost: the next tick walks every hour that finalized meanw
 from dagster import (
     AssetKey,
     AssetMaterialization,
-    AssetRecordsFilter,
     AssetSpec,
     RunRequest,
     SensorEvaluationContext,
@@ -42,12 +42,20 @@ from dagster import (
     SkipReason,
 )
 
+from partfin_assets.defs.asset_history import latest_partition_materialization, materialized_partitions
 from partfin_assets.defs.resources import IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hours import FinalizationCursor, hour_from_key, hour_key, newly_finalized
 from partfin_assets.finalization.late_acks import acks_of, unacknowledged_late
 from partfin_assets.finalization.late_data import LateHour, late_data
-from partfin_assets.finalization.read_points import BasePosition, amendments, base_position, finalization_metadata, read_tags
+from partfin_assets.finalization.read_points import (
+    BasePosition,
+    amendments,
+    base_position,
+    finalization_metadata,
+    read_tags,
+    run_reason_tags,
+)
 from partfin_assets.finalization.tags import Finalization, tag_finalizations
 from partfin_assets.iceberg.catalog import load_existing_table, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
@@ -64,12 +72,14 @@ def finalized_spec(table: PartfinTable) -> AssetSpec:
         description=(
             f"Finalization events of base.{table.name}. Partition H receives exactly one runless materialization "
             f"when hour H finalizes (H + 1h <= base watermark). Subscribe with a sensor that reads all new "
-            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see docs/dagster.md)."
+            f"materializations of {table.finalized_key.to_user_string()} after a storage-id cursor (see docs/dagster.md). "
+            f"Recorded by sensor finalize_{table.name}_sensor, which requests each hour's run of job activity_{table.name}_job."
         ),
         group_name="finalization",
         owners=[table.platform_owner],
         partitions_def=table.partitions_def(),
-        metadata={"contract": "one runless materialization per finalized hour, in hour order"},
+        metadata={"contract": "one runless materialization per finalized hour, in hour order",
+                  "recorded_by": f"sensor finalize_{table.name}_sensor"},
     )
 
 
@@ -83,27 +93,12 @@ def first_data_hour(iceberg, table: PartfinTable) -> int | None:
     return min(hours) * US_PER_HOUR if hours else None
 
 
-def newest_finalization_event(instance, key: AssetKey, partition_key: str) -> dict | None:
-    """Metadata values of the newest `finalized/<table>` event (finalization or amendment) of one hour."""
-    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[partition_key]), limit=1).records
-    if not records or records[0].event_log_entry.asset_materialization is None:
+def newest_finalization_event(instance, table: PartfinTable, partition_key: str) -> dict | None:
+    """Metadata values of the newest `finalized_<table>` event (finalization or amendment) of one hour."""
+    entry = latest_partition_materialization(instance, table, table.finalized_key, partition_key)
+    if entry is None or entry.asset_materialization is None:
         return None
-    return {k: v.value for k, v in records[0].event_log_entry.asset_materialization.metadata.items()}
-
-
-def recorded_partitions(instance, key: AssetKey, partition_keys: list[str]) -> set[str]:
-    """Which of these hours already have a `finalized/<table>` event (reads only their events)."""
-    found: set[str] = set()
-    cursor = None
-    while partition_keys:
-        result = instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=key, asset_partitions=partition_keys), limit=MAX_HOURS_PER_TICK, cursor=cursor
-        )
-        found |= {r.partition_key for r in result.records if r.partition_key is not None}
-        if not result.has_more:
-            break
-        cursor = result.cursor
-    return found
+    return {k: v.value for k, v in entry.asset_materialization.metadata.items()}
 
 
 def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable, iceberg_resource: IcebergCatalogResource, job_name: str | None = None):
@@ -143,7 +138,7 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
             cursor=next_cursor.encode(),
         )
     # a repeated tick (cursor lost) must not record an hour's finalization twice
-    recorded = recorded_partitions(context.instance, table.finalized_key, [hour_key(h) for h in hours])
+    recorded = materialized_partitions(context.instance, table, table.finalized_key, [hour_key(h) for h in hours])
     run_requests = []
     events = []
     for hour, late in [*amended.items(), *((h, None) for h in hours)]:
@@ -154,10 +149,9 @@ def evaluate_finalization(context: SensorEvaluationContext, table: PartfinTable,
                 # an amendment is a new run of the hour: a run_key of its own, per base snapshot read
                 run_key=f"{table.name}:{key}" + (f":amendment:{position.snapshot_id}" if late is not None else ""),
                 partition_key=key,
-                asset_selection=[table.activity_key],
                 tags={**table.downstream_tags, "partfin/hour": iso_z(hour), "dagster/max_retries": "2",
                       "partfin/downstream-hour": f"{table.name}:{key}",  # dagster.yaml: one run of an hour at a time
-                      **read_tags(position.snapshot_id, amendment=late is not None)},
+                      **read_tags(position.snapshot_id, amendment=late is not None), **run_reason_tags(hour, late)},
             )
         )
         if late is None and key in recorded:
@@ -197,13 +191,13 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
     handled = [hour for hour in late if table.start_us <= hour < cursor.next_hour_us]
     seen = {}
     for hour in handled:
-        event = newest_finalization_event(context.instance, table.finalized_key, hour_key(hour))
+        event = newest_finalization_event(context.instance, table, hour_key(hour))
         seen[hour] = event.get("cdc_sequence_number") if event else None
     return amendments(late, seen)
 
 
-def build_finalization_sensor(table: PartfinTable):
-    @table_sensor(table, "finalize", table.finalization_interval_seconds, asset_selection=[table.finalized_key, table.activity_key], description=(
+def build_finalization_sensor(table: PartfinTable, downstream_job):
+    @table_sensor(table, "finalize", table.finalization_interval_seconds, job=downstream_job, description=(
         f"Requests each partition of {table.activity_key.to_user_string()} exactly once when its hour finalizes "
         f"(hour + 1h <= base.{table.name} watermark), in hour order, and publishes {table.finalized_key.to_user_string()}."))
     def finalization_sensor(context: SensorEvaluationContext, catalog: IcebergCatalogResource):

@@ -2,7 +2,7 @@
 
 - `compact_<table>` (MERGE; schedule hourly, on by default): small-file compaction of the
   finalized hours of cdc.<table>, then of base.<table>; files before/after are recorded as an
-  AssetObservation of cdc/<table> and base/<table>.
+  AssetObservation of cdc_<table> and base_<table>.
 - `privacy_delete_<table>` (UPDATE/DELETE; launched by hand with run config `keys`,
   `request_id` and optionally `erase_before`): erases those primary keys from every table partfin
   writes for the table and registers them, so nothing brings them back (jobs/privacy.py,
@@ -188,7 +188,7 @@ def build_privacy_job(table: PartfinTable):
 
 
 def _layer_key(table: PartfinTable, layer: str):
-    """The asset a maintained table's figures are reported on: cdc/<table> or base/<table>."""
+    """The asset a maintained table's figures are reported on: cdc_<table> or base_<table>."""
     return table.cdc_key if layer == "cdc" else table.base_key
 
 

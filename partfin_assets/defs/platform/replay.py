@@ -1,4 +1,4 @@
-"""Materializing hour partition H of cdc/<table> by hand replays H from the recorded history.
+"""Materializing hour partition H of cdc_<table> by hand replays H from the recorded history.
 
 The CDC writer (the `sync_<table>` job) keeps reporting a materialization for every hour a
 checkpoint touched; a *manual* materialization of a partition (UI "Materialize", `dagster asset

@@ -1,4 +1,4 @@
-"""cdc/<table> and base/<table>: one multi-asset, the CDC writer and the upsert, run by Dagster on a short cadence.
+"""cdc_<table> and base_<table>: one multi-asset, the CDC writer and the upsert, run by Dagster on a short cadence.
 
 Both layers are stream-fed and hourly partitioned, and written by one op (`cdc_and_base_<table>`,
 pool `partfin_cdc_<table>`), so that the `sync_<table>` job is an asset job of the two assets: the
@@ -9,11 +9,11 @@ partition:
   The CDC writer commits checkpoints, then the upsert merges them into base. Neither returns an
   output (both are optional): the run reports one materialization per hour partition it touched or
   finalized, showing the whole hour from the late-data ledger (finalization/hour_truth.py), one
-  observation per checkpoint on cdc/<table>, and then the layer's checks (so the latest
+  observation per checkpoint on cdc_<table>, and then the layer's checks (so the latest
   materialization always carries its check results). A sync run plans no partition, so while it
   runs or after it failed no hour shows as in progress or failed.
-- **an hour partition: by hand** (UI "Materialize", a backfill: one run per partition). cdc/<table>
-  replays the hour (defs/platform/replay.py); base/<table> runs the upsert now.
+- **an hour partition: by hand** (UI "Materialize", a backfill: one run per partition). cdc_<table>
+  replays the hour (defs/platform/replay.py); base_<table> runs the upsert now.
 
 A conflict of the upsert (CommitConflictError) re-runs the upsert alone, in process, with the one
 retry policy (jobs/retry.py): a step retry would run the writer again.
@@ -25,7 +25,6 @@ from dagster import (
     AssetExecutionContext,
     AssetMaterialization,
     AssetObservation,
-    AssetRecordsFilter,
     AssetSelection,
     AssetSpec,
     DagsterRunStatus,
@@ -43,6 +42,7 @@ from dagster import (
 
 from partfin_assets.defs.checks.watermark_checks import sync_check_evaluations
 from partfin_assets.defs.platform.replay import ReplayConfig, cdc_pool, replay_partition
+from partfin_assets.defs.asset_history import latest_partition_materialization
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, hour_truths, newly_final_hours
@@ -71,7 +71,7 @@ def _iso(us: int | None) -> str | None:
 
 
 def build_platform_assets(table: PartfinTable):
-    """cdc/<table> and base/<table> as one multi-asset (see the module docstring)."""
+    """cdc_<table> and base_<table> as one multi-asset (see the module docstring)."""
     name = table.name
 
     @multi_asset(
@@ -120,7 +120,7 @@ def build_platform_assets(table: PartfinTable):
             if hour not in truths:
                 watermark = watermark_of(iceberg.load_table(f"base.{name}").properties)
                 truths[hour] = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), [hour], watermark,
-                                           _previous_finalized_at(context, table.base_key, [hour]))[0]
+                                           _previous_finalized_at(context, table, table.base_key, [hour]))[0]
             yield MaterializeResult(asset_key=table.base_key, metadata=truths[hour].metadata())
 
     return cdc_and_base
@@ -146,7 +146,7 @@ def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int
         newly_final = newly_final_hours(watermark_before, watermark, table.start_us)
         touched = {to_us(parse_iso(h)) for h in result.hours_touched}
         # base finalizes when the upsert carries the watermark past the hour: this commit, or an earlier one
-        finalized_at = _previous_finalized_at(context, table.base_key, sorted(touched - set(newly_final)))
+        finalized_at = _previous_finalized_at(context, table, table.base_key, sorted(touched - set(newly_final)))
         finalized_at.update({h: committed_at for h in newly_final})
         found = hour_truths(read_ledger(iceberg, table.spec.cdc_identifier), touched | set(newly_final), watermark, finalized_at)
         truths = {t.hour_us: t for t in found}
@@ -198,12 +198,12 @@ def _log_events(context: AssetExecutionContext | OpExecutionContext, events: lis
         context.log_event(event)
 
 
-def _previous_finalized_at(context: AssetExecutionContext, key, hours: list[int]) -> dict[int, int]:
+def _previous_finalized_at(context: AssetExecutionContext, table: PartfinTable, key, hours: list[int]) -> dict[int, int]:
     """finalized_at that earlier materializations of these partitions recorded (base hours touched again by late data)."""
     out = {}
     for hour in hours:
-        records = context.instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=[hour_key(hour)]), limit=1).records
-        materialization = records[0].event_log_entry.asset_materialization if records else None
+        entry = latest_partition_materialization(context.instance, table, key, hour_key(hour))
+        materialization = entry.asset_materialization if entry else None
         value = materialization.metadata.get("finalized_at") if materialization else None
         if value is not None and isinstance(value.value, str):
             out[hour] = to_us(parse_iso(value.value))
@@ -233,7 +233,7 @@ def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, icebe
 
 def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, writer: CdcWriter,
                       result: CheckpointResult) -> list[int]:
-    """One observation on cdc/<table> per committed checkpoint (a table-level time series; the hours show their
+    """One observation on cdc_<table> per committed checkpoint (a table-level time series; the hours show their
     totals at the end of the run): the hours it touched."""
     snapshot = writer.table.metadata.snapshot_by_id(result.snapshot_id)
     committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
