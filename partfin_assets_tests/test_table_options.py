@@ -22,7 +22,7 @@ from partfin_assets_tests.cdc_files import partfin
 
 STREAM = "synthetic:start=2026-01-01T00:00:00Z,end=2026-01-01T03:00:00Z,rate=0.5,late_fraction=0.0,idle_every=off,seed=7"
 CREATED_WITH, DECLARED = "min-of-last:3", "percentile:0.05:last:2"
-CDC = AssetKey(["cdc", "orders"])
+CDC = AssetKey("cdc_orders")
 
 def _in_force(home) -> tuple[str, str, PolicyChange | None]:
     """The cdc.orders policy property, the policy its newest checkpoint applied, and the recorded change."""
