@@ -11,6 +11,8 @@ downstream: late_data_after_run (its inputs -- what each downstream run saw -- c
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,13 +23,15 @@ from partfin_assets.finalization.hours import hour_key, lag_seconds
 from partfin_assets.finalization.late_acks import LateAck, acknowledged_hours, acks_of, unacknowledged
 from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
-from partfin_assets.iceberg.history import recorded_watermark, total_records, watermark_history, watermark_of
+from partfin_assets.iceberg.history import lineage, recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, iso_z, now_utc, parse_iso, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
+# how many of the newest snapshots watermark_fresh searches for the writer's last two checkpoints
+CHECKPOINT_LOOKBACK = 64
 WARN, ERROR = "WARN", "ERROR"
 
 
@@ -93,14 +97,19 @@ def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us
 
 
 def _newest_checkpoint(cdc) -> tuple[int, int] | None:
-    """(commit clock, newest event time) of the table's current snapshot when it is a writer's checkpoint whose source
-    clock gains on the wall clock since the checkpoint before it (a backlog shrinking), else None."""
-    snapshot = cdc.current_snapshot()
-    parent = cdc.snapshot_by_id(snapshot.parent_snapshot_id) if snapshot is not None and snapshot.parent_snapshot_id else None
-    summaries = [s.summary.additional_properties if s is not None and s.summary is not None else {} for s in (snapshot, parent)]
-    if not all(K.EVENT_TIME_MAX in s and K.COMMIT_CLOCK in s and K.SOURCE_CLOCK in s for s in summaries):
+    """(commit clock, newest event time) of the table's newest checkpoint when its source clock gains on the wall clock
+    since the checkpoint before it (a backlog shrinking), else None. Commits that are not checkpoints (a compaction, a
+    maintenance or privacy fence, a replay) are passed over: they say nothing of how the writer keeps up."""
+    checkpoints = []
+    for snapshot in itertools.islice(lineage(cdc.metadata), CHECKPOINT_LOOKBACK):
+        summary = snapshot.summary.additional_properties if snapshot.summary is not None else {}
+        if K.EVENT_TIME_MAX in summary and K.COMMIT_CLOCK in summary and K.SOURCE_CLOCK in summary:
+            checkpoints.append(summary)
+            if len(checkpoints) == 2:
+                break
+    if len(checkpoints) < 2:
         return None
-    newest, before = summaries
+    newest, before = checkpoints
     gained = (source_clock_us(newest) - source_clock_us(before)) - (commit_clock_us(newest) - commit_clock_us(before))
     if gained <= 0:
         return None
