@@ -54,7 +54,7 @@ def test_a_sync_run_declaring_another_policy_changes_it_and_shows_what_is_in_for
         policy, applied, change = _in_force(home)
         assert (policy, applied) == (DECLARED, DECLARED)
         assert change is not None and (change.before, change.to) == (CREATED_WITH, DECLARED)
-        # the run's observation of cdc/orders shows the policy in force
+        # the run's observation of cdc_orders shows the policy in force
         observed = instance.get_event_records(EventRecordsFilter(DagsterEventType.ASSET_OBSERVATION, asset_key=CDC), ascending=True)
         runs = [r.event_log_entry.asset_observation.metadata for r in observed]
         assert [m["watermark_policy"].value for m in runs if "watermark_lag_seconds" in m] == [DECLARED]
