@@ -141,6 +141,14 @@ def table_candidate(ctx: CommitContext) -> int | None:
     return min(ctx.stream_progress_us, floor, floor_hour_us(ctx.trusted_clock))
 
 
+def _ledger_commits(ctx: CommitContext, policy: WatermarkPolicy, tolerance_us: int) -> list[CommitStats]:
+    """The stream's commits as the late-data ledger recorded them (every checkpoint reaches it before its snapshot
+    can expire)."""
+    rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
+                       row_filter=EqualTo("stream", ctx.stream))
+    return ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
+
+
 class WatermarkProcessor(CommitProcessor):
     """Advances partfin.watermark in the same commit as the data; counts and alerts on late records.
 
@@ -228,10 +236,7 @@ class WatermarkProcessor(CommitProcessor):
         retained = this_commit + found.commits
         if change is None or change.settled(policy.window, retained, found.boundary):
             return retained if window_retained(policy.window) else self._with_history(ctx, policy, tolerance_us, this_commit, found)
-        rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
-                           row_filter=EqualTo("stream", ctx.stream))
-        recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
-        known = {c.snapshot_id: c for c in recorded if c.clock_us < ctx.clock_us}
+        known = {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us) if c.clock_us < ctx.clock_us}
         known.update({c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None})
         window = list(this_commit)
         complete = True
@@ -260,10 +265,7 @@ class WatermarkProcessor(CommitProcessor):
         retained = {c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None}
         if history is None or (retained and history.keys().isdisjoint(retained)):
             # first use, or another process committed on this stream meanwhile beyond what is retained (a fenced twin)
-            rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=COMMIT_STATS_COLUMNS,
-                               row_filter=EqualTo("stream", ctx.stream))
-            recorded = ledger_commit_stats(rows, tolerance_us, with_digest=policy.needs_digest)
-            history = self._history[key] = {c.snapshot_id: c for c in recorded}
+            history = self._history[key] = {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us)}
         history.update(retained)  # as the snapshots recorded them: the ledger has them once they expire
         known = sorted(history.values(), key=lambda c: c.clock_us or 0, reverse=True)
         newest = this_commit[0].arrival_clock_us
