@@ -26,13 +26,15 @@ def latest_partition_materialization(instance: DagsterInstance, table: PartfinTa
 
 
 def materialized_partitions(instance: DagsterInstance, table: PartfinTable, key: AssetKey, partition_keys: list[str]) -> set[str]:
-    """Which of these hours have a materialization (reads only their events)."""
+    """Which of these hours have a materialization (reads only their events; the previous key only for hours the
+    current one has none of)."""
     found: set[str] = set()
     for candidate in _keys(table, key):
+        wanted = [p for p in partition_keys if p not in found]
         cursor = None
-        while partition_keys:
+        while wanted:
             result = instance.fetch_materializations(
-                AssetRecordsFilter(asset_key=candidate, asset_partitions=partition_keys), limit=PAGE, cursor=cursor)
+                AssetRecordsFilter(asset_key=candidate, asset_partitions=wanted), limit=PAGE, cursor=cursor)
             found |= {r.partition_key for r in result.records if r.partition_key is not None}
             if not result.has_more:
                 break
