@@ -12,6 +12,7 @@ import json
 import signal
 from collections import Counter
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -209,7 +210,7 @@ def _hour_key(ms: int) -> str:
 
 def test_one_ledger_commit_per_checkpoint_leaves_few_files_and_loses_no_row(catalog):
     """A writer that records every checkpoint on its own (a slow stream) must not leave one file per checkpoint."""
-    from partfin_assets.iceberg.files import data_files
+    from partfin_assets.iceberg.files import data_file_paths, data_files
     from partfin_assets.iceberg.ledger import LEDGER_MAX_SMALL_FILES
 
     writer = CdcWriter(catalog, ORDERS)
@@ -221,6 +222,10 @@ def test_one_ledger_commit_per_checkpoint_leaves_few_files_and_loses_no_row(cata
         writer.close()
     ledger = catalog.load_table("cdc.orders__ledger")
     assert len(data_files(ledger, ledger.current_snapshot())) < LEDGER_MAX_SMALL_FILES
+    # expiry deleted the small files folded away, and only those: what is on disk is what retained snapshots name
+    assert len(ledger.metadata.snapshots) < LEDGER_MAX_SMALL_FILES + 20
+    on_disk = {p.as_posix() for p in Path(ledger.location().removeprefix("file://"), "data").rglob("*.parquet")}
+    assert on_disk == {p.removeprefix("file://") for p in data_file_paths(ledger, ledger.metadata.snapshots)}
     rows = read_ledger(catalog, "cdc.orders")
     assert _checkpoints(rows) == {("orders-writer", i) for i in range(1, LEDGER_MAX_SMALL_FILES + 21)}
     assert rows["records"].sum() == 5 * (LEDGER_MAX_SMALL_FILES + 20)

@@ -95,6 +95,12 @@ def _live_entries(table: Table, snapshot: Snapshot | None, content: ManifestCont
     return out
 
 
+def data_file_paths(table: Table, snapshots: Iterable[Snapshot]) -> set[str]:
+    """Paths of the data files live in any of `snapshots`, each manifest read once however many snapshots share it."""
+    manifests = {m.manifest_path: m for s in snapshots for m in s.manifests(table.io) if m.content == ManifestContent.DATA}
+    return {entry.data_file.file_path for m in manifests.values() for entry in m.fetch_manifest_entry(table.io, discard_deleted=True)}
+
+
 def added_data_files(table: Table, previous: Snapshot, current: Snapshot) -> list[DataFile]:
     """Data files live at `current` but not at `previous` (manifests both share are not read)."""
     shared = {m.manifest_path for m in previous.manifests(table.io)} & {m.manifest_path for m in current.manifests(table.io)}

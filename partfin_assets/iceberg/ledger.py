@@ -48,7 +48,7 @@ from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, remove_snapshots, snapshot_summary_with_commit_id
-from partfin_assets.iceberg.files import data_files, delete_files, read_files
+from partfin_assets.iceberg.files import data_file_paths, data_files, delete_files, read_files
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of, watermark_of
 from partfin_assets.iceberg.row_delta import swap_files
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
@@ -242,8 +242,8 @@ def _expire_ledger_snapshots(ledger: Table) -> None:
     if len(snapshots) <= LEDGER_KEEP_SNAPSHOTS + LEDGER_EXPIRY_SLACK:
         return
     expired, kept = snapshots[:-LEDGER_KEEP_SNAPSHOTS], snapshots[-LEDGER_KEEP_SNAPSHOTS:]
-    referenced = {f.file_path for s in kept for f in data_files(ledger, s)}
-    folded = {f.file_path for s in expired for f in data_files(ledger, s)} - referenced  # small files folded since
+    # small files folded since (most manifests are shared between snapshots: each is read once)
+    folded = data_file_paths(ledger, expired) - data_file_paths(ledger, kept)
     if remove_snapshots(ledger, expired):
         delete_files(ledger.io, sorted(folded))
 
