@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2000, help="events before the stop, and as many after it")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--session-timeout-ms", type=int, default=None, help="the consumer's session.timeout.ms (default: partfin's)")
-    options = parse_sizes(parser, smoke=dict(messages=20, repeats=1))
+    options = parse_sizes(parser, smoke=dict(messages=20, repeats=1, session_timeout_ms=3000))
 
     seconds: dict[str, list[float]] = {"kill -9": [], "clean stop": []}
     with tempfile.TemporaryDirectory() as tmp:
