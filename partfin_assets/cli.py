@@ -6,10 +6,13 @@ import argparse
 import getpass
 import json
 import logging
+import signal
 import sys
+import threading
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,7 +40,7 @@ from partfin_assets.jobs.replay import ReplayRefused, replay_hour_from_history
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.errors import EXIT_BUG, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
+from partfin_assets.model.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
@@ -159,13 +162,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         secrets += Settings.from_env().secrets()
         if getattr(args, "table", None) is not None:
             check_table_name(args.table)  # every command's --table, before any catalog is touched
-        return {"ingest": _ingest, "upsert": _upsert, "base": _base, "replay": _replay, "compact": _compact, "privacy-delete": _privacy_delete,
-                "maintain": _maintain, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
-                "policy-lab": _policy_lab}[args.command](args)
+        with _sigterm_as_interrupt():
+            return {"ingest": _ingest, "upsert": _upsert, "base": _base, "replay": _replay, "compact": _compact, "privacy-delete": _privacy_delete,
+                    "maintain": _maintain, "status": _status, "streams": _streams, "late-data": _late_data, "report": _report,
+                    "policy-lab": _policy_lab}[args.command](args)
+    except Terminated:
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         return _failed(exc, secrets)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (systemd, Kubernetes, `kill`): the command stops as on Ctrl-C, cleaning up on the way out."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C instead of killing the process where it stands: an ingest then closes its
+    source (a Kafka consumer leaves its group at once, so a restarted one is not kept waiting for the dead
+    member's session to expire) and a commit in flight settles as on an interrupt. The previous handler is
+    restored on the way out (main() also runs inside other programs, tests among them)."""
+    def terminate(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():  # signals can only be handled on the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _failed(exc: Exception, secrets: Sequence[str | None]) -> int:

@@ -15,6 +15,8 @@ EXIT_OK = 0
 EXIT_BUG = 1  # an unexpected error: its traceback is printed
 EXIT_USAGE = 2  # the user must fix something: an option, the configuration, the data, a broken table
 EXIT_TRY_AGAIN = 75  # sysexits' EX_TEMPFAIL: a temporary failure, running the command again may succeed
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM): stopped as on Ctrl-C
 
 
 class PartfinError(Exception):

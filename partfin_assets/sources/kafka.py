@@ -88,6 +88,11 @@ _OWNED_PROPERTIES = {
     "enable.partition.eof": "partfin needs end-of-partition events",
     "auto.offset.reset": "partfin starts a partition it never read at its log start and refuses offsets retention deleted",
 }
+# librdkafka properties partfin sets unless the spec or the environment does: a member killed with -9 holds
+# its partitions until its session expires (librdkafka's default: 45 s), so a restarted process waited that
+# long (and longer on a group coordinator that waits out the session before rebalancing); 10 s, Kafka's
+# default before 3.0, lets it read again within seconds. A member that stops cleanly leaves at once.
+_DEFAULT_PROPERTIES = {"session.timeout.ms": 10_000}
 _OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse helpers)
 
 
@@ -268,6 +273,7 @@ class KafkaSource:
         self._secret_values = sorted({v for v in env_properties.values() if len(v) >= 3}, key=len, reverse=True)
         self.config: dict[str, Any] = {
             "client.id": f"partfin-{table.name}",
+            **_DEFAULT_PROPERTIES,
             **spec.properties,
             **env_properties,
             "bootstrap.servers": spec.bootstrap,
