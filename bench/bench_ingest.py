@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_ingest.py [--records 400000] [--checkpoints 20] [--repeats 16] [--commits 1000]
 
 1. writer with its default accumulator (event-time stats overall and per hour) and the watermark
-   processor vs the same writer with none (goal >= 0.95): 20,000-record checkpoints, the Dagster
+   processor vs the same writer with none (goal >= 0.98): 20,000-record checkpoints, the Dagster
    sync's default size; the writers take turns checkpoint by checkpoint and the figure is the median
    of the per-checkpoint ratios over all repeats (quartiles printed beside it)
 2. writer vs a plain PyIceberg Table.append of the same Arrow data (the floor of this stack)
@@ -213,7 +213,7 @@ def main() -> None:
         # throughput ratio = time(none) / time(with), paired per checkpoint: noise that hits one
         # checkpoint's turn hits both variants, and the median ignores the bursts that do not
         ratio, q1, q3 = paired_ratio(runs, "none", "with_stats")
-        results["ratio_stats_vs_none (goal >= 0.95)"] = ratio
+        results["ratio_stats_vs_none (goal >= 0.98)"] = ratio
         results["ratio_stats_vs_none_q1"] = q1
         results["ratio_stats_vs_none_q3"] = q3
         results["ratio_writer_vs_plain_append"] = paired_ratio(runs, "plain_append", "with_stats")[0]
