@@ -38,14 +38,17 @@ from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import EXIT_BUG, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
+from partfin_assets.model.faults import install_faults
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
 from partfin_assets.sources.registry import make_source
+from partfin_assets.testing.faults import EnvFaults
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    install_faults(EnvFaults())  # process start: crash and race tests drive the fault points through PARTFIN_* variables
     parser = _Parser(prog="partfin", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)

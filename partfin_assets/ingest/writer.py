@@ -58,7 +58,7 @@ from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_cloc
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
-from partfin_assets.testing.faults import crash_point
+from partfin_assets.model.faults import faults
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class CdcWriter:
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
-        crash_point("after-files")
+        faults().crash_point("after-files")
         accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
         rejected = self._commit_rejected(prepared.rejected, checkpoint_id)
 
@@ -367,7 +367,7 @@ class CdcWriter:
             self.table = result.table
             raise ErasedMeanwhile(self.spec.cdc_identifier, start)
         self._commit_stage = "landed"
-        crash_point("after-commit")
+        faults().crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
         self._source_clocks[stream_id] = source_clocks[-1]
