@@ -17,12 +17,13 @@ LAYERS = {
     "testing": 0,  # env-driven fault hooks and test processes: import nothing of partfin; only entry points import them
     "iceberg": 1,
     "sources": 1,
-    "ingest": 2,
-    "finalization": 2,
-    "jobs": 3,
-    "defs": 4,
-    "cli": 4,
-    "definitions": 5,
+    "watermark": 2,
+    "ingest": 3,
+    "finalization": 3,
+    "jobs": 4,
+    "defs": 5,
+    "cli": 5,
+    "definitions": 6,
 }
 DAGSTER_ALLOWED = {"defs", "definitions"}
 
