@@ -179,7 +179,7 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
     for i, (commit, stream) in enumerate(zip(commits, streams)):
         clock = commit.clock_us
         if policy.state_property is not None:
-            state, _ = policy.refresh_state(state, clock, lambda columns, from_hour_us: rows)  # learn_delay picks its hours
+            state, _ = policy.refresh_state(state, clock, lambda columns, from_hour_us: rows)  # the policy picks its hours
         older = history.setdefault(stream, [])
         window = window_of(policy.window, [commit], reversed(older))[0] if policy.window_needed(state) else [commit]
         older.append(commit)
