@@ -20,7 +20,7 @@ from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.table_options import FUTURE_TOLERANCE
-from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json, hour_bounds, suspect_future
+from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds, suspect_future
 from partfin_assets.model.timeutil import US_PER_SECOND, floor_hour_us, from_us, iso_z
 from partfin_assets.watermark.change import PolicyChange
 from partfin_assets.watermark.policy import WatermarkPolicy

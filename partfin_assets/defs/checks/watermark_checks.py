@@ -16,7 +16,6 @@ from dagster import (
     AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
-    AssetKey,
     AssetSelection,
     DagsterInstance,
     RunRequest,
