@@ -205,3 +205,16 @@ def test_concurrent_writers_never_move_the_watermark_back(catalog, tmp_path):
     assert history == sorted(history)
     assert table.properties[K.PROP_WATERMARK] == iso_z(history[-1])
     assert table.scan().to_arrow().num_rows == 75 * 50
+
+
+def test_a_longer_window_declared_on_a_young_table_runs_over_the_commits_it_has(catalog):
+    """min-of-last:3 -> min-of-last:10 after two checkpoints: the new window reaches back past the stream's first
+    commit, which the ledger holds (a checkpoint used to fail here on a name left undefined)."""
+    writer = CdcWriter(catalog, ORDERS)
+    for h in range(2):
+        writer.write_checkpoint(hour_batch(h, h + 1))
+    longer = CdcWriter(catalog, TableSpec(ORDERS.name, ORDERS.primary_key, dict(ORDERS.columns), "min-of-last:10"))
+    result = longer.write_checkpoint(hour_batch(2, 3))
+    assert result.summary[K.WATERMARK] == wm(0)  # the min over the three commits there are
+    change = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK_POLICY_CHANGE])
+    assert (change["from"], change["to"]) == ("min-of-last:3", "min-of-last:10") and change["effective-at"] is not None
