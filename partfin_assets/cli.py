@@ -33,7 +33,7 @@ from partfin_assets.jobs import compaction
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.maintenance import MAINTENANCE_ORPHAN_AGE_S, expire_table_snapshots, maintained_tables, remove_orphan_files
-from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, LAB_COLUMNS, SCENARIOS, recorded, run_lab, simulate, write_plot
+from partfin_assets.jobs.policy_lab import LAB_COLUMNS, SCENARIOS, lab_policies, recorded, run_lab, simulate, write_plot
 from partfin_assets.jobs.privacy import privacy_delete
 from partfin_assets.jobs.rebucket import rebucket
 from partfin_assets.jobs.replay import ReplayRefused, replay_hour_from_history
@@ -41,14 +41,17 @@ from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
+from partfin_assets.model.faults import install_faults
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_duration, parse_iso, to_us
 from partfin_assets.sources.registry import make_source
+from partfin_assets.testing.faults import EnvFaults
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    install_faults(EnvFaults())  # process start: crash and race tests drive the fault points through PARTFIN_* variables
     parser = _Parser(prog="partfin", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -148,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lab_input = lab.add_mutually_exclusive_group(required=True)
     lab_input.add_argument("--table", help="replay cdc.<table>'s late-data ledger")
     lab_input.add_argument("--scenario", choices=SCENARIOS, help="replay a simulated stream (16 h after 8 h of history)")
-    lab.add_argument("--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)} late-budget:<budget>)")
+    lab.add_argument("--policies", nargs="+", help=f"policies to compare (default: {' '.join(lab_policies(0.001))}, with --budget's)")
     lab.add_argument("--budget", type=float, default=0.001, help="share of records accepted late after finalization (default 0.001)")
     lab.add_argument("--out", default="policy-lab", help="plot files: <out>.png and <out>.html (default ./policy-lab)")
     lab.add_argument("--seed", type=int, default=13, help="seed of the simulated stream (default 13)")
@@ -505,7 +508,7 @@ def _policy_lab(args: argparse.Namespace) -> int:
         catalog = _existing_catalog()
         load_existing_table(catalog, f"cdc.{args.table}")  # a clear error for a table that is not there
         data = recorded(read_ledger(catalog, f"cdc.{args.table}", columns=LAB_COLUMNS), args.table)
-    policies = args.policies or [*DEFAULT_POLICIES, f"late-budget:{args.budget:g}"]
+    policies = args.policies or lab_policies(args.budget)
     report, lab = run_lab(data, policies, args.budget)
     print(report.table())
     png, page = write_plot(report, lab, Path(args.out))

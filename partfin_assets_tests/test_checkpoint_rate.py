@@ -14,10 +14,13 @@ import polars as pl
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, ledger_commit_stats, read_ledger
-from partfin_assets.ingest.watermark_policy import LATE_BUDGET, WatermarkPolicy, advance
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
 from partfin_assets.model.timeutil import floor_hour_us
+from partfin_assets.watermark.late_budget import LATE_BUDGET
+from partfin_assets.watermark.policy import WatermarkPolicy
+from partfin_assets.watermark.registry import parse_policy
+from partfin_assets.watermark.step import advance
 from partfin_assets_tests.cdc_files import orders_lines, write_lines
 from partfin_assets_tests.scenario_helpers import ms, partfin
 
@@ -66,7 +69,7 @@ def test_fast_backlog_keeps_few_snapshots_and_the_same_watermarks(tmp_path):
 
     catalog = load_partfin_catalog(home, create=False)
     table = catalog.load_table("cdc.orders")
-    policy = WatermarkPolicy.parse(table.properties.get(K.PROP_WATERMARK_POLICY, DEFAULT_WATERMARK_POLICY))
+    policy = parse_policy(table.properties.get(K.PROP_WATERMARK_POLICY, DEFAULT_WATERMARK_POLICY))
     assert policy.kind == LATE_BUDGET and '"delay-s":null' in table.properties[K.PROP_LATE_BUDGET_LEARNED]  # on its fallback
 
     ledger = read_ledger(catalog, "cdc.orders").sort("checkpoint_id")

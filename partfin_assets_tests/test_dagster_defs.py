@@ -243,10 +243,15 @@ def test_checks_warn_on_late_data_and_name_the_commits_that_brought_it(synced):
     assert sum(by_partition.values()) == late.metadata["late_records"].value > 0
     assert set(commits) == set(by_partition)
     assert all(ids and len(set(ids)) == len(ids) for ids in commits.values())  # each hour names its commits, once
-    # the current policy as the table's own watermark did: late share and lag, from the ledger
-    assert late.metadata["watermark_policy"].value == table.spec.watermark_policy
-    assert 0 < late.metadata["late_share_after_finalization"].value < 1
-    assert late.metadata["median_finalization_lag_seconds"].value > 0
+    # the current policy as the table's own watermark did: late share and lag, from the ledger, measured by a job of
+    # its own (its schedule, not the sync path): an observation of the cdc asset
+    measured = defs.resolve_job_def("measure_policy_orders").execute_in_process(instance=instance)
+    observed = [e.event_specific_data.asset_observation for e in measured.all_events if e.event_type_value == "ASSET_OBSERVATION"]
+    assert [o.asset_key for o in observed] == [table.cdc_key]
+    policy = observed[0].metadata
+    assert policy["watermark_policy"].value == table.spec.watermark_policy
+    assert 0 < policy["late_share_after_finalization"].value < 1
+    assert policy["median_finalization_lag_seconds"].value > 0
     # a 2026-01-01 stream the sync just read in a burst is a writer catching up (it committed now, its source clock
     # gains on the wall clock), not a stale watermark; once the writer stops committing, it is
     fresh = evaluations["watermark_fresh"]

@@ -86,7 +86,7 @@ def test_definitions_and_instance_limits():
                               (f"privacy_delete_{name}", "partfin/privacy"), (f"sync_{name}", "partfin/writer")):
             assert tag in repo.get_job(job_name).tags, job_name
         schedules = {s.name: s for s in repo.schedule_defs}
-        for schedule in (f"compact_{name}_schedule", f"maintain_{name}_schedule"):
+        for schedule in (f"compact_{name}_schedule", f"maintain_{name}_schedule", f"measure_policy_{name}_schedule"):
             assert schedules[schedule].default_status.value == "RUNNING"
 
     # privacy deletes of a table, one request at a time (the other limits are proven by behaviour:

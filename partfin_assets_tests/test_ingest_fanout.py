@@ -24,12 +24,17 @@ from partfin_assets.iceberg.history import summary_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.maintenance import remove_orphan_files
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.faults import install_faults
 from partfin_assets.sources.synthetic import ORDERS_SPEC
+from partfin_assets.testing.faults import EnvFaults
 from partfin_assets_tests.cdc_files import orders_lines, partfin, partfin_command, partfin_env, stream_of, write_lines
 
 POLICY = "min-of-last:3"  # a count window: the same watermarks whatever the commits' wall clocks
 SYNTHETIC = "synthetic:seed=11,rate=0.5,start=2026-01-01T00:00:00Z,end=2026-01-01T02:00:00Z,key_space=300,late_fraction=0.05"
 T0_MS = 1_767_225_600_000  # 2026-01-01T00:00Z
+
+# the step processes rebuild the job from this module, their entry point: its fault points follow PARTFIN_* variables
+install_faults(EnvFaults())
 
 
 def fanout_job():

@@ -14,15 +14,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "partfin_assets"
 # part of a lower layer; parts of one layer (iceberg / sources, ingest / finalization) stay apart.
 LAYERS = {
     "model": 0,
-    "testing": 0,  # fault-injection hooks and test processes: import nothing of partfin
+    "testing": 0,  # env-driven fault hooks and test processes: import nothing of partfin; only entry points import them
     "iceberg": 1,
     "sources": 1,
-    "ingest": 2,
-    "finalization": 2,
-    "jobs": 3,
-    "defs": 4,
-    "cli": 4,
-    "definitions": 5,
+    "watermark": 2,
+    "ingest": 3,
+    "finalization": 3,
+    "jobs": 4,
+    "defs": 5,
+    "cli": 5,
+    "definitions": 6,
 }
 DAGSTER_ALLOWED = {"defs", "definitions"}
 
@@ -110,6 +111,22 @@ def test_partfin_modules_are_imported_at_module_level_only():
         if not top and target.startswith("partfin_assets")
     ]
     assert not deferred, "\n".join(sorted(set(deferred)))
+
+
+# the processes' entry points: only they install the environment-driven fault hooks of testing/
+FAULT_INSTALLERS = {"partfin_assets.cli", "partfin_assets.definitions"}
+
+
+def test_production_code_never_imports_testing():
+    """Fault points call the hooks of model/faults.py; which hooks those are is the entry point's choice."""
+    wrong = [
+        f"{module}:{line} imports {target}"
+        for module, path in modules().items()
+        if part_of(module) != "testing" and module not in FAULT_INSTALLERS
+        for target, line, _ in imports(path)
+        if part_of(target) == "testing" and target.startswith("partfin_assets.")
+    ]
+    assert not wrong, "\n".join(sorted(set(wrong)))
 
 
 def test_only_the_dagster_layer_imports_dagster():

@@ -14,7 +14,7 @@ import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, EventRecordsFilter
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
-from partfin_assets.ingest.watermark_processor import PolicyChange
+from partfin_assets.watermark.change import PolicyChange
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC
@@ -97,7 +97,7 @@ def test_the_settings_table_of_the_docs_is_the_options():
 
 
 def test_a_bad_declared_policy_is_refused_before_any_table_is_created(catalog):
-    from partfin_assets.ingest.watermark_policy import PolicyError
+    from partfin_assets.watermark.policy import PolicyError
     from partfin_assets.ingest.writer import CdcWriter
 
     with pytest.raises(PolicyError, match="not valid"):

@@ -24,9 +24,11 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets_tests.test_upsert import Change, Harness
 from partfin_assets_tests.test_upsert_properties import reference
 
-UPSERT = (
+UPSERT = (  # its own entry point: it installs the PARTFIN_*-driven fault hooks, as `partfin` does
     "import sys; from partfin_assets.iceberg.catalog import load_partfin_catalog; "
     "from partfin_assets.jobs.upsert import run_upsert; "
+    "from partfin_assets.model.faults import install_faults; from partfin_assets.testing.faults import EnvFaults; "
+    "install_faults(EnvFaults()); "
     "print(run_upsert(load_partfin_catalog(sys.argv[1]), 'orders').describe())"
 )
 

@@ -15,7 +15,6 @@ from partfin_assets.iceberg.files import conform_rows
 from partfin_assets.iceberg.history import watermark_history
 from partfin_assets.iceberg.streams import retire_stream
 from partfin_assets.ingest.extensions import CommitProcessor
-from partfin_assets.ingest.watermark_policy import BUDGET_FALLBACK_WINDOW, PolicyError, WatermarkPolicy, table_policy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
@@ -23,6 +22,11 @@ from partfin_assets.model.records import cdc_records
 from partfin_assets.model.stats import CommitWindow
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, TableSpec
 from partfin_assets.model.timeutil import from_us, iso_z
+from partfin_assets.watermark.late_budget import LateBudget
+from partfin_assets.watermark.min_of_last import MinOfLast
+from partfin_assets.watermark.percentile import Percentile
+from partfin_assets.watermark.policy import PolicyError
+from partfin_assets.watermark.registry import parse_policy, table_policy
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
 
@@ -39,28 +43,28 @@ def wm(hours: int) -> str:
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("min-of-last:3", WatermarkPolicy("min-of-last", CommitWindow(commits=3))),
-        ("min-of-last:30m", WatermarkPolicy("min-of-last", CommitWindow(span_us=30 * MINUTE_US))),
-        ("percentile:0.001:last:3", WatermarkPolicy("percentile", CommitWindow(commits=3), quantile=0.001)),
-        ("percentile:0.001:last:2h", WatermarkPolicy("percentile", CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
-        ("late-budget:0.001", WatermarkPolicy("late-budget", BUDGET_FALLBACK_WINDOW, budget=0.001)),
+        ("min-of-last:3", MinOfLast(CommitWindow(commits=3))),
+        ("min-of-last:30m", MinOfLast(CommitWindow(span_us=30 * MINUTE_US))),
+        ("percentile:0.001:last:3", Percentile(CommitWindow(commits=3), quantile=0.001)),
+        ("percentile:0.001:last:2h", Percentile(CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
+        ("late-budget:0.001", LateBudget(budget=0.001)),
     ],
 )
 def test_policy_parses(text, expected):
-    assert WatermarkPolicy.parse(text) == expected
-    assert WatermarkPolicy.parse(str(expected)) == expected
+    assert parse_policy(text) == expected
+    assert parse_policy(str(expected)) == expected
 
 
 def test_a_table_without_a_policy_property_runs_the_default():
-    assert table_policy({}) == WatermarkPolicy.parse(DEFAULT_WATERMARK_POLICY)
-    assert table_policy({K.PROP_WATERMARK_POLICY: "min-of-last:3"}) == WatermarkPolicy("min-of-last", CommitWindow(commits=3))
+    assert table_policy({}) == parse_policy(DEFAULT_WATERMARK_POLICY)
+    assert table_policy({K.PROP_WATERMARK_POLICY: "min-of-last:3"}) == MinOfLast(CommitWindow(commits=3))
 
 
 @pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3",
                                   "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget"])
 def test_bad_policy_names_the_problem(text):
     with pytest.raises(PolicyError, match=re.escape(repr(text))):
-        WatermarkPolicy.parse(text)
+        parse_policy(text)
 
 
 def test_min_of_last_three(catalog):
@@ -201,3 +205,16 @@ def test_concurrent_writers_never_move_the_watermark_back(catalog, tmp_path):
     assert history == sorted(history)
     assert table.properties[K.PROP_WATERMARK] == iso_z(history[-1])
     assert table.scan().to_arrow().num_rows == 75 * 50
+
+
+def test_a_longer_window_declared_on_a_young_table_runs_over_the_commits_it_has(catalog):
+    """min-of-last:3 -> min-of-last:10 after two checkpoints: the new window reaches back past the stream's first
+    commit, which the ledger holds (a checkpoint used to fail here on a name left undefined)."""
+    writer = CdcWriter(catalog, ORDERS)
+    for h in range(2):
+        writer.write_checkpoint(hour_batch(h, h + 1))
+    longer = CdcWriter(catalog, TableSpec(ORDERS.name, ORDERS.primary_key, dict(ORDERS.columns), "min-of-last:10"))
+    result = longer.write_checkpoint(hour_batch(2, 3))
+    assert result.summary[K.WATERMARK] == wm(0)  # the min over the three commits there are
+    change = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK_POLICY_CHANGE])
+    assert (change["from"], change["to"]) == ("min-of-last:3", "min-of-last:10") and change["effective-at"] is not None

@@ -35,6 +35,7 @@ class PartfinTable:
     # table maintenance jobs (defs/maintenance): cron schedules in UTC
     compaction_cron: str = "15 * * * *"  # compact_<name>: hourly, a quarter past (hours finalize on the hour)
     maintenance_cron: str = "30 3 * * *"  # maintain_<name>: daily
+    policy_measurement_cron: str = "45 * * * *"  # measure_policy_<name>: the policy lab over the ledger, hourly
     orphan_min_age_seconds: int = MAINTENANCE_ORPHAN_AGE_S  # orphan-file removal never deletes younger files
     # ownership
     platform_owner: str = "team:platform"
@@ -99,7 +100,7 @@ class PartfinTable:
 
 
 SENSOR_KINDS = ("sync", "finalize", "checks")
-SCHEDULE_KINDS = ("compact", "maintain")
+SCHEDULE_KINDS = ("compact", "maintain", "measure")
 
 
 def _enabled(kind: str, kinds: tuple[str, ...], wanted: str | None) -> bool:
@@ -114,7 +115,7 @@ def sensor_default_status(kind: str):
 
 
 def schedule_default_status(kind: str):
-    """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain; empty: none) starts only those."""
+    """Schedules start RUNNING; PARTFIN_SCHEDULES=maintain (a subset of compact,maintain,measure; empty: none) starts only those."""
 
     enabled = _enabled(kind, SCHEDULE_KINDS, Settings.from_env().schedules)
     return DefaultScheduleStatus.RUNNING if enabled else DefaultScheduleStatus.STOPPED

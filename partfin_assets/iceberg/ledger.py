@@ -495,7 +495,7 @@ def ledger_commit_stats(rows: pl.DataFrame, tolerance_us: int, *, with_digest: b
     The same as a retained snapshot's `commit_stats`: low = min event time (or the heartbeat of a
     checkpoint without records); event hours past the commit clock + `tolerance_us` are suspect and
     claim nothing (a checkpoint of only those, or one without records or heartbeat, is left out).
-    Also the frontier late-budget reads: arrival = the latest source arrival (None: the commit
+    Also the frontier a policy reading arrival sees: arrival = the latest source arrival (None: the commit
     clock), high = the latest plausible event time (to the hour's rows: capped at clock + tolerance)
     or heartbeat.
     """

@@ -3,7 +3,7 @@
 1. the table's declaration: the one stored with cdc.<table> (a declared watermark policy replaces
    its policy), else the source's own or the given primary key (`resolve_spec`);
 2. the CDC writer on it: a declared policy that differs from the table's takes effect as a recorded
-   policy change (CdcWriter -> ingest/watermark_policy.py `declare_policy`); the session's `spec` is
+   policy change (CdcWriter -> watermark/registry.py `declare_policy`); the session's `spec` is
    what is in force;
 3. the source is read from the writer's committed position (`run`, or `read_checkpoints` for the fan-out);
 4. at the end, even on Ctrl-C: the writer closes (pending checkpoints reach the ledger), the column
@@ -19,18 +19,18 @@ from collections.abc import Iterator
 from pyiceberg.catalog import Catalog
 
 from partfin_assets.iceberg.commit import set_table_properties
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult, PreparedCheckpoint
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.registry import source_kind, source_table_spec
+from partfin_assets.watermark.registry import parse_policy
 
 
 def check_declaration(source_text: str, watermark_policy: str | None) -> None:
     """Refuse an unknown source kind or a bad policy before any catalog is touched."""
     source_kind(source_text)
     if watermark_policy is not None:
-        WatermarkPolicy.parse(watermark_policy)
+        parse_policy(watermark_policy)
 
 
 def resolve_spec(catalog: Catalog | None, table: str, source_text: str, *, primary_key: str | None = None,

@@ -18,14 +18,14 @@ from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifie
 from partfin_assets.iceberg.streams import active_streams, idle_timeout_us, progress_floor, streams_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import CommitContext, CommitProcessor
-from partfin_assets.ingest.watermark_policy import (
-    LATE_BUDGET, LEARN_COLUMNS, LEARN_HISTORY_US, LEARN_MATURITY_US, LearnedDelay, PolicyError, WatermarkPolicy, advance, learn_delay,
-    table_policy,
-)
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.table_options import FUTURE_TOLERANCE
-from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json, hour_bounds, suspect_future
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, parse_iso, to_us
+from partfin_assets.model.stats import CommitStats, compact_json, hour_bounds, suspect_future
+from partfin_assets.model.timeutil import US_PER_SECOND, floor_hour_us, from_us, iso_z
+from partfin_assets.watermark.change import PolicyChange
+from partfin_assets.watermark.policy import WatermarkPolicy
+from partfin_assets.watermark.registry import table_policy
+from partfin_assets.watermark.step import advance, stream_progress, window_of
 
 log = logging.getLogger(__name__)
 
@@ -76,48 +76,6 @@ def suspect_future_entry(sorted_event_time_us: np.ndarray, heartbeat_us: int | N
     if entry:
         entry.update({"clock": iso_z(clock_us), "tolerance-s": tolerance_us / US_PER_SECOND})
     return entry
-
-
-@dataclass(frozen=True)
-class PolicyChange:
-    """The table property partfin.watermark-policy.change: the policy's last change, as checkpoints saw it."""
-
-    before: str
-    to: str
-    requested_at_us: int  # clock of the first checkpoint that ran under the new policy
-    effective_at_us: int | None  # clock of the first one whose whole window was known (None: not yet)
-
-    @classmethod
-    def decode(cls, text: str | None) -> PolicyChange | None:
-        if not text:
-            return None
-        entry = json.loads(text)
-        effective = entry.get("effective-at")
-        return cls(entry["from"], entry["to"], to_us(parse_iso(entry["requested-at"])), to_us(parse_iso(effective)) if effective else None)
-
-    def encode(self) -> str:
-        return compact_json({"from": self.before, "to": self.to, "requested-at": iso_z(self.requested_at_us),
-                             "effective-at": iso_z(self.effective_at_us) if self.effective_at_us is not None else None})
-
-    def before_covers(self, window: CommitWindow) -> bool:
-        """Whether expiry, keeping the window of the policy before, kept all that `window` needs."""
-        try:
-            return WatermarkPolicy.parse(self.before).window.covers(window)
-        except PolicyError:
-            return False
-
-    def effective(self, clock_us: int) -> PolicyChange:
-        return PolicyChange(self.before, self.to, self.requested_at_us, clock_us)
-
-    def settled(self, window: CommitWindow, retained: list[CommitStats], boundary: CommitStats | None) -> bool:
-        """Whether the retained snapshots hold the whole window: expiry kept enough for the policy before,
-        or every commit in it was made since the change (expiry keeps the new window from then on):
-        the window is full (a count) or the commit just beyond it was made since the change (a span)."""
-        if self.before_covers(window):
-            return True
-        if window.commits is not None:
-            return len(retained) >= window.commits and retained[-1].clock_us >= self.requested_at_us
-        return boundary is not None and boundary.clock_us >= self.requested_at_us
 
 
 def table_candidate(ctx: CommitContext) -> int | None:
@@ -201,11 +159,10 @@ class WatermarkProcessor(CommitProcessor):
         elif heartbeat is not None and "heartbeat" not in suspect:
             this_commit = [CommitStats(None, heartbeat, event_times.stats, ctx.clock_us, heartbeat, heartbeat, ctx.source_clock_us)]
         if this_commit:  # a commit without stats leaves its stream's progress where it is
-            delay = self._learned_delay(ctx, policy) if policy.kind == LATE_BUDGET else None
-            window = this_commit if delay is not None else self._window(ctx, policy, change, tolerance, this_commit)
+            state = self._policy_state(ctx, policy)
+            window = self._window(ctx, policy, change, tolerance, this_commit) if policy.window_needed(state) else this_commit
             if window is not None:  # None: the new policy's history is not there yet, the stream holds
-                candidate = policy.candidate_us(window, delay)
-                ctx.stream_progress_us = None if candidate is None else min(candidate, floor_hour_us(ctx.trusted_clock))
+                ctx.stream_progress_us = stream_progress(policy, state, window, ctx.trusted_clock)
         watermark = advance(previous, table_candidate(ctx))
 
         late = late_records_by_hour(event_times.event_time_us, previous) if previous is not None else {}
@@ -230,23 +187,19 @@ class WatermarkProcessor(CommitProcessor):
         (expiry keeps the new window from then on), the rest comes from the late-data ledger, which
         records every checkpoint before its snapshot can expire. None: not even the ledger has it.
         """
-        newest = this_commit[0].arrival_clock_us
-        found = stream_window(ctx.table.metadata, policy.window, taken=1, newest_arrival_us=newest, with_digest=policy.needs_digest,
-                              writer_id=ctx.writer_id, stream_id=ctx.stream)
+        found = stream_window(ctx.table.metadata, policy.window, taken=1, newest_arrival_us=this_commit[0].arrival_clock_us,
+                              with_digest=policy.needs_digest, writer_id=ctx.writer_id, stream_id=ctx.stream)
         retained = this_commit + found.commits
         if change is None or change.settled(policy.window, retained, found.boundary):
             return retained if window_retained(policy.window) else self._with_history(ctx, policy, tolerance_us, this_commit, found)
-        known = {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us) if c.clock_us < ctx.clock_us}
+        recorded = _ledger_commits(ctx, policy, tolerance_us)
+        known = {c.snapshot_id: c for c in recorded if c.clock_us < ctx.clock_us}
         known.update({c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None})
-        window = list(this_commit)
-        complete = True
-        for commit in sorted(known.values(), key=lambda c: c.clock_us, reverse=True):
-            if not policy.window.holds(len(window), commit.arrival_clock_us, newest):
-                break  # a commit older than the window: the window is whole
-            window.append(commit)
-        else:  # the window reaches back to the stream's first known commit: older ones, if any, only the ledger
-            # could hold (it records every checkpoint before its snapshot expires), unless the table is older than it
-            complete = len(window) == policy.window.commits or bool(recorded)
+        window, beyond = window_of(policy.window, this_commit, sorted(known.values(), key=lambda c: c.clock_us, reverse=True))
+        # beyond: a commit older than the window, the window is whole; None: it reaches back to the stream's first
+        # known commit, older ones, if any, only the ledger could hold (it records every checkpoint before its
+        # snapshot expires), unless the table is older than it
+        complete = beyond is not None or len(window) == policy.window.commits or bool(recorded)
         if not complete:
             log.warning("%s: the window of policy %s reaches past what the table and its ledger hold: stream %s holds "
                         "its progress until it has that history", ctx.table_name, policy, ctx.stream)
@@ -267,15 +220,7 @@ class WatermarkProcessor(CommitProcessor):
             # first use, or another process committed on this stream meanwhile beyond what is retained (a fenced twin)
             history = self._history[key] = {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us)}
         history.update(retained)  # as the snapshots recorded them: the ledger has them once they expire
-        known = sorted(history.values(), key=lambda c: c.clock_us or 0, reverse=True)
-        newest = this_commit[0].arrival_clock_us
-        window = list(this_commit)
-        beyond = None
-        for commit in known:
-            if not policy.window.holds(len(window), commit.arrival_clock_us, newest):
-                beyond = commit
-                break
-            window.append(commit)
+        window, beyond = window_of(policy.window, this_commit, sorted(history.values(), key=lambda c: c.clock_us or 0, reverse=True))
         if beyond is not None and len(history) > 2 * len(window) + 64:  # forget what no window can reach any more
             self._history[key] = {i: c for i, c in history.items() if (c.clock_us or 0) >= (beyond.clock_us or 0)}
         return window
@@ -294,19 +239,20 @@ class WatermarkProcessor(CommitProcessor):
         ctx.properties[K.PROP_WATERMARK_POLICY_CHANGE] = change.encode()
         return change
 
-    def _learned_delay(self, ctx: CommitContext, policy: WatermarkPolicy) -> int | None:
-        """late-budget's delay: as the table property recorded it, learned again from the ledger when stale."""
-        properties = ctx.table.metadata.properties
-        text = properties.get(K.PROP_LATE_BUDGET_LEARNED)
-        entry = json.loads(text) if text else None
-        learned = LearnedDelay.from_json(entry) if entry is not None and entry.get("budget") == policy.budget else None
-        if learned is None or learned.stale(ctx.clock_us):
-            since = ctx.clock_us - LEARN_MATURITY_US - LEARN_HISTORY_US - US_PER_HOUR
-            rows = read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=LEARN_COLUMNS,
-                               row_filter=GreaterThanOrEqual("hour", from_us(floor_hour_us(since)).isoformat()))
-            learned = learn_delay(rows, policy.budget, ctx.clock_us)
-            ctx.properties[K.PROP_LATE_BUDGET_LEARNED] = compact_json({"budget": policy.budget, **learned.to_json()})
-        return learned.delay_us
+    def _policy_state(self, ctx: CommitContext, policy: WatermarkPolicy) -> object:
+        """The state a learning policy keeps: as its table property recorded it, learned again when the policy says."""
+        if policy.state_property is None:
+            return None
+        stored = policy.load_state(ctx.table.metadata.properties.get(policy.state_property))
+
+        def ledger(columns, from_hour_us: int):
+            return read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=columns,
+                               row_filter=GreaterThanOrEqual("hour", from_us(from_hour_us).isoformat()))
+
+        state, persist = policy.refresh_state(stored, ctx.clock_us, ledger)
+        if persist is not None:
+            ctx.properties[policy.state_property] = persist
+        return state
 
     def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
         suspect = suspect_future(ctx.summary)

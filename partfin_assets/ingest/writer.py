@@ -47,7 +47,6 @@ from partfin_assets.iceberg.streams import (
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
 from partfin_assets.ingest.extensions import Accumulator, CommitContext, CommitProcessor
-from partfin_assets.ingest.watermark_policy import WatermarkPolicy, declare_policy, table_policy
 from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future_tolerance_us
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasures, redact_raw_lines, without_erased
@@ -58,7 +57,8 @@ from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_cloc
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
-from partfin_assets.testing.faults import crash_point
+from partfin_assets.model.faults import faults
+from partfin_assets.watermark.registry import declare_policy, parse_policy, table_policy
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class CdcWriter:
         self.heartbeat_interval_us = int(heartbeat_interval_s * 1_000_000)
         self.clock = clock
         if spec.watermark_policy is not None:  # a bad declaration is refused before any table is created
-            spec = replace(spec, watermark_policy=str(WatermarkPolicy.parse(spec.watermark_policy)))
+            spec = replace(spec, watermark_policy=str(parse_policy(spec.watermark_policy)))
         ensure_cdc_tables(catalog, spec)
         # the policy in force: the table's, or the declared one that differs, taking effect now as a recorded change
         self.spec = replace(spec, watermark_policy=declare_policy(catalog, spec.cdc_identifier, spec.watermark_policy))
@@ -281,7 +281,7 @@ class CdcWriter:
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
 
-        crash_point("after-files")
+        faults().crash_point("after-files")
         accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
         rejected = self._commit_rejected(prepared.rejected, checkpoint_id)
 
@@ -367,7 +367,7 @@ class CdcWriter:
             self.table = result.table
             raise ErasedMeanwhile(self.spec.cdc_identifier, start)
         self._commit_stage = "landed"
-        crash_point("after-commit")
+        faults().crash_point("after-commit")
         self.table = result.table
         self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
         self._source_clocks[stream_id] = source_clocks[-1]

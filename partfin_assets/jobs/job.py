@@ -42,7 +42,7 @@ from partfin_assets.jobs.conflicts import CommitConflictError, Conflict, commits
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import compact_json
 from partfin_assets.model.summary_keys import JobKind
-from partfin_assets.testing.faults import pause_point
+from partfin_assets.model.faults import faults
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class Job:
         """
         if self.committed is not None:
             raise RuntimeError(f"job {self.job_id} already committed")
-        pause_point("job-commit")
+        faults().pause_point("job-commit")
         for hook in self.before_commit:
             hook(self)
 

@@ -23,10 +23,10 @@ from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files
 from partfin_assets.iceberg.tables import ledger_identifier
-from partfin_assets.ingest.watermark_policy import table_policy
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitWindow
 from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.watermark.registry import table_policy
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Input is a late-data ledger (iceberg/ledger.py): the table's recorded one (`partfin policy-lab
 --table T`), or one built by `simulate` for a scenario (steady, outage, idle, bad-clocks) with the
 ledger's own row builder, so a user can try policies before having history. Each policy is
-replayed checkpoint by checkpoint with the code the writer runs (`WatermarkPolicy.candidate_us`,
-`learn_delay`, `advance`, the stream minimum and the clock cap of the watermark processor), so
+replayed checkpoint by checkpoint with the code the writer runs (the policy's state and candidate, the
+step of watermark/step.py, the stream minimum of the watermark processor), so
 replaying a writer's own ledger gives back the watermarks it committed (a test holds it to that).
 
 Measured per policy, over the measured hours: the share of records written after their hour was
@@ -34,16 +34,25 @@ from pyiceberg.catalog import Catalog
 
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, Checkpoint, checkpoint_rows, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
-from partfin_assets.ingest.watermark_policy import LATE_BUDGET, LEARN_MATURITY_US, LearnedDelay, WatermarkPolicy, advance, learn_delay
 from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
 from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_iso, to_us
+from partfin_assets.watermark.policy import LEARN_MATURITY_US
+from partfin_assets.watermark.registry import parse_policy, policy_for_budget
+from partfin_assets.watermark.step import advance, stream_progress, window_of
 
 SCENARIOS = ("steady", "outage", "idle", "bad-clocks")
 DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
                     "percentile:0.001:last:30m")
+
+
+def lab_policies(budget: float) -> list[str]:
+    """What `partfin policy-lab` compares by default: DEFAULT_POLICIES and the registry's policy for `budget`."""
+    return [*DEFAULT_POLICIES, str(policy_for_budget(budget))]
+
+
 LAB_COLUMNS = tuple(dict.fromkeys(COMMIT_STATS_COLUMNS + ("lateness_digest", "watermark")))
 SIM_START_US = to_us(parse_iso("2026-11-01T00:00:00Z"))
 MINUTE_US = 60 * US_PER_SECOND
@@ -70,7 +79,7 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     3 h; one checkpoint per `checkpoint_s` of arrival (its clock: the end of that interval), records
     without a source arrival time (the commit clock is their arrival), an empty interval commits a
     heartbeat. `history_hours` of the same steady stream come first (the table's history: what
-    late-budget learns from), then `hours` measured hours, then 4 hours in which late records of the
+    a learning policy learns from), then `hours` measured hours, then 4 hours in which late records of the
     measured hours still arrive. Scenarios: `outage` -- a shard with a quarter of the events delivers
     nothing for 90 minutes from the 5th measured hour on, then its backlog within 5 minutes; `idle` --
     no events for 4 hours from the 6th measured hour on (the source sends heartbeats); `bad-clocks` --
@@ -157,34 +166,24 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
     `commits`/`streams`: the ledger's stats-bearing checkpoints in commit order and the stream of
     each. Per stream the policy's window (the commit and its older ones), the candidate capped at
     the commit clock's hour; the table's candidate is the minimum over the streams seen within the
-    idle timeout; the watermark advances, never back. late-budget learns its delay from the rows
-    committed before, refreshed as the writer refreshes it.
+    idle timeout; the watermark advances, never back. A learning policy learns its state from
+    the rows committed before, refreshed as the writer refreshes it.
     """
-    policy = WatermarkPolicy.parse(policy_text)
+    policy = parse_policy(policy_text)
     history: dict[str, list[CommitStats]] = {}
     progress: dict[str, tuple[int | None, int]] = {}  # stream -> (progress, last commit clock)
-    learned: LearnedDelay | None = None
+    state = None
     watermark = None
     clocks = np.empty(len(commits), dtype=np.int64)
     marks = np.empty(len(commits), dtype=np.int64)
     for i, (commit, stream) in enumerate(zip(commits, streams)):
         clock = commit.clock_us
-        delay = None
-        if policy.kind == LATE_BUDGET:
-            if learned is None or learned.stale(clock):
-                learned = learn_delay(rows, policy.budget, clock)
-            delay = learned.delay_us
+        if policy.state_property is not None:
+            state, _ = policy.refresh_state(state, clock, lambda columns, from_hour_us: rows)  # the policy picks its hours
         older = history.setdefault(stream, [])
-        window = [commit]
-        if delay is None:
-            for previous in reversed(older):
-                if not policy.window.holds(len(window), previous.arrival_clock_us, commit.arrival_clock_us):
-                    break
-                window.append(previous)
+        window = window_of(policy.window, [commit], reversed(older))[0] if policy.window_needed(state) else [commit]
         older.append(commit)
-        candidate = policy.candidate_us(window, delay)
-        own = None if candidate is None else min(candidate, floor_hour_us(clock))
-        progress[stream] = (own, clock)
+        progress[stream] = (stream_progress(policy, state, window, clock), clock)
         active = [p for p, seen in progress.values() if clock - seen <= idle_timeout_us]
         table = None if any(p is None for p in active) else min(active)
         watermark = advance(watermark, table)
@@ -195,7 +194,7 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
 
 def fixed_delay(commits: Sequence[CommitStats], delay_us: int) -> Replay:
     """Flink's partition-time trigger: hour H is final once arrival passes H + 1 h + delay (arrival as
-    late-budget reads it: the source's latest arrival time, else the commit clock)."""
+    a policy reads it: the source's latest arrival time, else the commit clock)."""
     clocks = np.array([c.clock_us for c in commits], dtype=np.int64)
     arrivals = np.array([c.arrival_us if c.arrival_us is not None else c.clock_us for c in commits], dtype=np.int64)
     return Replay(clocks, np.maximum.accumulate((arrivals - delay_us) // US_PER_HOUR * US_PER_HOUR))
@@ -300,7 +299,7 @@ class Lab:
 
     def commits_for(self, text: str) -> list[CommitStats]:
         """The checkpoints as the policy reads them (with event-time digests for a percentile)."""
-        if not WatermarkPolicy.parse(text).needs_digest:
+        if not parse_policy(text).needs_digest:
             return self.commits
         if self._with_digests is None:
             self._with_digests = ledger_commit_stats(self.rows, self.tolerance_us, with_digest=True)
@@ -393,7 +392,7 @@ def _ratio(value: float, of: float = 1.0) -> str:
 
 def run_lab(data: LabInput, policies: Sequence[str], budget: float) -> tuple[LabReport, Lab]:
     for text in policies:
-        WatermarkPolicy.parse(text)  # a bad one is refused before any work
+        parse_policy(text)  # a bad one is refused before any work
     lab = Lab(data)
     rows = []
     for text in policies:

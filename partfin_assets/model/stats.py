@@ -291,7 +291,7 @@ class CommitStats:
     low_us: int  # its min event time, or its heartbeat time when it carried no records
     stats: EventTimeStats  # empty for heartbeat-only commits
     clock_us: int | None = None  # its commit clock (the writer's)
-    # the commit being made, for late-budget: the source's processing time (None: the commit clock),
+    # the commit being made, for a policy that reads arrival: the source's processing time (None: the commit clock),
     # and its latest plausible event time or heartbeat
     arrival_us: int | None = None
     high_us: int | None = None

@@ -24,7 +24,7 @@ def duration_us(text: str) -> int:
 
 
 def policy_text(text: str) -> str:
-    # parsed into a WatermarkPolicy by ingest/watermark_policy.py `table_policy`, the one reader of the policy
+    # parsed into a WatermarkPolicy by watermark/registry.py `table_policy`, the one reader of the policy
     return text.strip()
 
 

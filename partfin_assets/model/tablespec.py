@@ -100,7 +100,7 @@ class TableSpec:
     # Typed columns of base.<name> (primary key included), mapped from the CDC payload.
     columns: dict[str, pa.DataType] = field(default_factory=dict)
     # None: not declared (a new table gets the default; an existing one keeps its own). A declaration that differs
-    # from the table's takes effect with the next writer, as a recorded policy change (ingest/watermark_policy.py).
+    # from the table's takes effect with the next writer, as a recorded policy change (watermark/change.py).
     watermark_policy: str | None = None
 
     def __post_init__(self) -> None:

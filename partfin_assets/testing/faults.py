@@ -1,7 +1,8 @@
 """Fault injection for crash and retry tests, switched on by environment variables only.
 
-Production code calls these hooks at the points a test may want to kill or fail; with the
-variables unset they do nothing.
+`EnvFaults` implements `partfin_assets.model.faults.FaultHooks`; only the entry points install it
+(`install_faults(EnvFaults())`), production code calls whatever hooks are installed. With the variables unset
+every point passes.
 """
 
 from __future__ import annotations
@@ -60,3 +61,13 @@ def pause_point(name: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"pause point {name}: never released (PARTFIN_PAUSE_DIR={folder})")
         time.sleep(0.02)
+
+
+class EnvFaults:
+    """The `PARTFIN_CRASH_AT` / `PARTFIN_FAIL_AT` / `PARTFIN_FAIL_ONCE` / `PARTFIN_PAUSE_AT` hooks above."""
+
+    crash_point = staticmethod(crash_point)
+    fail_point = staticmethod(fail_point)
+    pause_point = staticmethod(pause_point)
+    fail_once = staticmethod(fail_once)
+

@@ -9,8 +9,6 @@ every sync run right after its materializations (`sync_check_evaluations`), so t
 materialization of cdc_<table> and base_<table> always carries its check results.
 """
 
-import dataclasses
-import math
 from collections.abc import Callable
 
 from dagster import (
@@ -18,7 +16,6 @@ from dagster import (
     AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
-    AssetKey,
     AssetSelection,
     DagsterInstance,
     RunRequest,
@@ -35,8 +32,6 @@ from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization import table_checks as tc
 from partfin_assets.finalization.hours import hour_key
 from partfin_assets.iceberg.catalog import load_table_if_exists
-from partfin_assets.jobs.policy_lab import measured_policy
-from partfin_assets.model.timeutil import format_duration
 
 
 def _limits(table: PartfinTable) -> tc.CheckThresholds:
@@ -68,8 +63,7 @@ def table_check_outcomes(table: PartfinTable, catalog: Catalog, instance: Dagste
         return {
             "watermark_fresh": tc.watermark_fresh(catalog, name, _limits(table)),
             "watermark_monotonic": tc.watermark_monotonic(catalog, name),
-            "late_data": _with_policy_metadata(tc.late_data_outcome(catalog, name, downstream_runs(instance, table)),
-                                               catalog, name),
+            "late_data": tc.late_data_outcome(catalog, name, downstream_runs(instance, table)),
             "rejected_input": tc.bad_input(catalog, f"cdc.{name}__rejected", f"source line(s) of cdc.{name} could not be read"),
             "writer_clocks": tc.clock_disagreements(catalog, name),
         }
@@ -164,26 +158,3 @@ def build_checks_sensor(table: PartfinTable, checks_job):
         return RunRequest(run_key=f"checks:{':'.join(state)}", asset_check_keys=[AssetCheckKey(table.activity_key, "late_data_after_run")])
 
     return checks_sensor
-
-
-def _with_policy_metadata(outcome: tc.CheckOutcome, catalog: Catalog, name: str) -> tc.CheckOutcome:
-    """The late_data outcome, plus the current watermark policy as the table's own watermark did
-    (jobs/policy_lab.py, over the ledger): late share after finalization, median lag, lag vs the oracle."""
-    if load_table_if_exists(catalog, f"cdc.{name}") is None:
-        return outcome
-    measured = measured_policy(catalog, name)
-    if measured is None:
-        return outcome
-    return dataclasses.replace(outcome, metadata={**outcome.metadata, **_policy_metadata(measured)})
-
-
-def _policy_metadata(outcome) -> dict:
-    # ratios rounded, durations also as people read them ("6 h 0 min"); the numbers stay numbers for Dagster's plots
-    measured = {"watermark_policy": outcome.name, "late_share_after_finalization": round(outcome.late_share, 5),
-                "late_share_after_finalization_percent": f"{outcome.late_share:.3%}"}
-    if math.isfinite(outcome.median_lag_s):
-        measured["median_finalization_lag_seconds"] = round(outcome.median_lag_s)
-        measured["median_finalization_lag"] = format_duration(outcome.median_lag_s)
-    if math.isfinite(outcome.lag_ratio):
-        measured["finalization_lag_vs_oracle"] = round(outcome.lag_ratio, 2)
-    return measured

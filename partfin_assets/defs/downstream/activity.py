@@ -32,7 +32,7 @@ from partfin_assets.finalization.read_points import (
 )
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, read_base, snapshot_unavailable_reason
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
-from partfin_assets.testing.faults import fail_once
+from partfin_assets.model.faults import faults
 
 
 class ActivityConfig(ForceConfig):
@@ -86,7 +86,7 @@ def build_activity_asset(table: PartfinTable):
             # pinned: a retry of this run keeps its tags, so it reads this snapshot too
             context.instance.add_run_tags(context.run.run_id, read_tags(point.snapshot_id, amendment=point.amendment))
         home = catalog.config().home
-        fail_once(name, partition_key, home)
+        faults().fail_once(name, partition_key, home)
 
         rows = read_base(
             iceberg, name, include_deleted=True, snapshot_id=point.snapshot_id, selected_fields=(EVENT_TIME, DELETED),

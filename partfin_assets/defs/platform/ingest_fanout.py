@@ -32,7 +32,7 @@ from partfin_assets.ingest.extensions import Accumulator
 from partfin_assets.ingest.session import IngestSession
 from partfin_assets.ingest.writer import CdcWriter, PreparedCheckpoint, WriterFenced, WrittenShare, write_share
 from partfin_assets.model.errors import one_line
-from partfin_assets.testing.faults import crash_point, fail_point
+from partfin_assets.model.faults import faults
 
 
 class IngestFanoutConfig(Config):
@@ -104,8 +104,8 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
         try:
             for records in task.records:
                 written.append(write_share(cdc, records, task.accumulators))
-                crash_point("share-written")
-                fail_point(f"share-written:{len(written) - 1}:{task.share}")
+                faults().crash_point("share-written")
+                faults().fail_point(f"share-written:{len(written) - 1}:{task.share}")
         except BaseException as exc:
             delete_files(cdc.io, [f.file_path for w in written for f in w.data_files])
             if not isinstance(exc, Exception):

@@ -26,7 +26,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z
-from partfin_assets.testing.faults import crash_point
+from partfin_assets.model.faults import faults
 
 CrashHook = Callable[[str], None]  # called with "after-read", "after-files", "after-commit" (tests)
 
@@ -171,4 +171,4 @@ def result_of(
 def _crash(phase: str, hook: CrashHook | None) -> None:
     if hook is not None:
         hook(phase)
-    crash_point(f"upsert-{phase}")
+    faults().crash_point(f"upsert-{phase}")
