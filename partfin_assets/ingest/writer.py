@@ -52,7 +52,15 @@ from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasures, redact_raw_lines, without_erased
 from partfin_assets.model.errors import InvalidInput, PartfinError
-from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records, with_source_log
+from partfin_assets.model.records import (
+    ARRIVAL_TIME,
+    AcknowledgesCommits,
+    CdcSource,
+    ChangeBatch,
+    ReadsPartitions,
+    cdc_records,
+    with_source_log,
+)
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_clock_us, suspect_future
 from partfin_assets.model.summary_keys import JobKind
@@ -512,7 +520,7 @@ class CdcWriter:
     ) -> Iterator[CheckpointResult]:
         """Commit one checkpoint per source batch, resuming after the last committed offset.
 
-        A source with an `on_committed(offset)` method (e.g. a replication slot that may only
+        A source that `AcknowledgesCommits` (e.g. a replication slot that may only
         move past committed changes) is told each offset once its checkpoint commit landed,
         before the next batch is asked for. Empty batches are not reported. When another process
         commits under the same writer id meanwhile (WriterFenced), the source is read again from
@@ -522,7 +530,7 @@ class CdcWriter:
         SourceMismatch names the table's current source); each checkpoint records it again.
         """
         committed = 0
-        on_committed = getattr(source, "on_committed", None)
+        on_committed = source.on_committed if isinstance(source, AcknowledgesCommits) else None
         self._check_source(source)
         while True:
             with closing(self._batches(source, max_records)) as batches:
@@ -569,7 +577,7 @@ class CdcWriter:
 
     def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
         """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
-        assigned_streams = getattr(source, "assigned_streams", None)
+        assigned_streams = source.assigned_streams if isinstance(source, ReadsPartitions) else None
         batches = source.batches(self.resume_offset, max_records)
         try:
             for batch in batches:

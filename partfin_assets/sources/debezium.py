@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch, DiscoversColumns, ReplayableSource
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import from_us
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _SCHEMA_PEEK_LINES = 1_000  # lines read to find a schema block when a table is declared
 
 
-class DebeziumFileSource:
+class DebeziumFileSource(ReplayableSource, DiscoversColumns):
     """Change events of one table from a Debezium JSON-lines file.
 
     The key columns are `primary_key` if given, else the spec's; the spec's typed columns are the

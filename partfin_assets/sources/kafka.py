@@ -62,7 +62,17 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
 from partfin_assets.model.errors import SourceError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch, implausible_event_time
+from partfin_assets.model.records import (
+    CDC_RECORD_SCHEMA,
+    REJECTED_RECORD_SCHEMA,
+    AcknowledgesCommits,
+    CdcSource,
+    ChangeBatch,
+    DiscoversColumns,
+    HoldsConnections,
+    ReadsPartitions,
+    implausible_event_time,
+)
 from partfin_assets.model.redaction import MASK, redact
 from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
@@ -242,7 +252,7 @@ class _Pending:
         return self.next_offset is not None
 
 
-class KafkaSource:
+class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversColumns, ReadsPartitions):
     """Debezium change events of one table from one Kafka topic (see the module docstring)."""
 
     kind = "kafka"

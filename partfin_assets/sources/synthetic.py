@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch, ReplayableSource
 from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, now_utc, to_us
@@ -95,7 +95,7 @@ class _Position:
             raise SourceError(f"not a synthetic-source offset: {offset!r} ({exc})") from exc
 
 
-class SyntheticSource:
+class SyntheticSource(ReplayableSource):
     """Insert/update/delete changes of `orders` rows, deterministic by seed.
 
     Events are generated from an anchor: `start` if given, else `hours` before the
