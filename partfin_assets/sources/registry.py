@@ -14,6 +14,7 @@ events from a Kafka topic (sources/kafka.py: options, secrets from the environme
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -63,19 +64,48 @@ _SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class SourceKind:
+    """One registry entry: how a kind's spec reads, opens a source and declares a new cdc table.
+
+    `open(spec, table, key_columns, complete, options)` -> the source; `declare(spec, table_name, key_columns,
+    complete)` -> the declaration of a new cdc.<table_name> read from the source itself (see source_table_spec).
+    """
+
+    name: str
+    usage: str  # the spec's form, as the unknown-kind error and docs/sources.md show it
+    open: Callable[..., CdcSource]
+    declare: Callable[..., TableSpec]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A source spec read once: its kind's registry entry and what follows `kind:` (the kind's own options)."""
+
+    kind: SourceKind
+    argument: str
+    text: str  # as written (shown only through model/redaction.py)
+
+    @classmethod
+    def parse(cls, text: str | SourceSpec) -> SourceSpec:
+        """The spec `text` names; an unknown kind is an error naming the known ones."""
+        if isinstance(text, SourceSpec):
+            return text
+        name, _, argument = text.strip().partition(":")
+        kind = SOURCE_KINDS.get(name)
+        if kind is None:
+            raise SourceError(f"unknown source kind {name!r}; expected " + ", ".join(repr(k.usage) for k in SOURCE_KINDS.values()))
+        return cls(kind, argument, text)
+
+
 def source_kind(spec_text: str) -> str:
     """The kind named by a source spec; an unknown kind is an error naming the known ones."""
-    kind = spec_text.strip().partition(":")[0]
-    if kind not in ("synthetic", "debezium", "postgres", "kafka"):
-        raise SourceError(
-            f"unknown source kind {kind!r}; expected 'synthetic[:option=value,...]', 'debezium:PATH',"
-            " 'postgres:DSN[#schema.table]' or 'kafka:BOOTSTRAP#TOPIC[,option=value,...]'"
-        )
-    return kind
+    return SourceSpec.parse(spec_text).kind.name
 
 
 def make_source(
-    spec_text: str, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False, **options: Any
+    spec_text: str | SourceSpec, table: TableSpec, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False,
+    **options: Any
 ) -> CdcSource:
     """The source described by spec_text for `table`; keyword options override those in the text.
 
@@ -83,17 +113,22 @@ def make_source(
     file's last line is read even without its trailing newline. Otherwise such a line is taken as
     still being written and read once its newline is there.
     """
-    kind = source_kind(spec_text)
-    argument = spec_text.strip().partition(":")[2]
-    key_columns = _key_columns(primary_key)
-    if kind == "synthetic":
-        _check_orders_table(table, key_columns)
-        return SyntheticSource(**{**_parse_options(argument, spec_text), **options})
-    if kind == "postgres":
-        return _postgres_source(argument, spec_text, table.name, key_columns or table.primary_key, options)
-    if kind == "kafka":
-        return KafkaSource(parse_kafka_spec(argument, spec_text), table, key_columns, **options)
-    return DebeziumFileSource(_debezium_path(argument, spec_text), primary_key=key_columns, spec=table, complete_file=complete, **options)
+    spec = SourceSpec.parse(spec_text)
+    return spec.kind.open(spec, table, _key_columns(primary_key), complete, options)
+
+
+def source_table_spec(
+    spec_text: str | SourceSpec, table_name: str, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False
+) -> TableSpec:
+    """The declaration of a new cdc.<table_name> read from the source itself, before anything is committed.
+
+    postgres: key and column types of the database table. debezium: the column types of the file's
+    first schema block (the key must be given; with `complete`, as in make_source, a file without any
+    change event is refused). kafka: the given key (column types come from the messages as they are
+    read). synthetic: the orders table.
+    """
+    spec = SourceSpec.parse(spec_text)
+    return spec.kind.declare(spec, table_name, _key_columns(primary_key), complete)
 
 
 def _debezium_path(argument: str, spec_text: str) -> str:
@@ -102,30 +137,51 @@ def _debezium_path(argument: str, spec_text: str) -> str:
     return argument
 
 
-def source_table_spec(
-    spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None, *, complete: bool = False
-) -> TableSpec:
-    """The declaration of a new cdc.<table_name> read from the source itself, before anything is committed.
-
-    postgres: key and column types of the database table. debezium: the column types of the file's
-    first schema block (the key must be given; with `complete`, as in make_source, a file without any
-    change event is refused). synthetic: the orders table.
-    """
-    kind = source_kind(spec_text)
-    if kind == "synthetic":
-        return TableSpec(table_name, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
-    if kind == "postgres":
-        return postgres_table_spec(spec_text, table_name, primary_key)
-    key_columns = _key_columns(primary_key)
-    if kind == "kafka":  # column types come from the messages' schema blocks as they are read
-        parse_kafka_spec(spec_text.strip().partition(":")[2], spec_text)
-        if not key_columns:
-            raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
-        return TableSpec(table_name, key_columns)
-    path = _debezium_path(spec_text.strip().partition(":")[2], spec_text)
+def _given_key(table_name: str, key_columns: tuple[str, ...] | None) -> tuple[str, ...]:
     if not key_columns:
         raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
-    return debezium_table_spec(path, table_name, key_columns, complete=complete)
+    return key_columns
+
+
+def _open_synthetic(spec: SourceSpec, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    _check_orders_table(table, key_columns)
+    return SyntheticSource(**{**_parse_options(spec.argument, spec.text), **options})
+
+
+def _declare_synthetic(spec: SourceSpec, table_name: str, key_columns, complete: bool) -> TableSpec:
+    return TableSpec(table_name, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)
+
+
+def _open_debezium(spec: SourceSpec, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    return DebeziumFileSource(_debezium_path(spec.argument, spec.text), primary_key=key_columns, spec=table, complete_file=complete,
+                              **options)
+
+
+def _declare_debezium(spec: SourceSpec, table_name: str, key_columns, complete: bool) -> TableSpec:
+    path = _debezium_path(spec.argument, spec.text)
+    return debezium_table_spec(path, table_name, _given_key(table_name, key_columns), complete=complete)
+
+
+def _open_kafka(spec: SourceSpec, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    return KafkaSource(parse_kafka_spec(spec.argument, spec.text), table, key_columns, **options)
+
+
+def _declare_kafka(spec: SourceSpec, table_name: str, key_columns, complete: bool) -> TableSpec:
+    parse_kafka_spec(spec.argument, spec.text)  # column types come from the messages' schema blocks as they are read
+    return TableSpec(table_name, _given_key(table_name, key_columns))
+
+
+def _open_postgres(spec: SourceSpec, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    return _postgres_source(spec.argument, spec.text, table.name, key_columns or table.primary_key, options)
+
+
+def _declare_postgres(spec: SourceSpec, table_name: str, key_columns, complete: bool) -> TableSpec:
+    """The declaration of cdc.<table_name> read from the PostgreSQL table a `postgres:` spec names."""
+    source = _postgres_source(spec.argument, spec.text, table_name, key_columns, {})
+    try:
+        return source.table_spec(table_name)
+    finally:
+        source.close()
 
 
 def open_history(identity: SourceIdentity, table: TableSpec) -> ReplayableSource:
@@ -133,8 +189,8 @@ def open_history(identity: SourceIdentity, table: TableSpec) -> ReplayableSource
     if identity.cannot_replay:
         raise ReplayNotPossible(f"{identity.spec} cannot read its history again: {identity.cannot_replay}")
     source = make_source(identity.spec, table)
-    assert hasattr(source, "history"), f"{type(source).__name__} reads no history but its identity says it can"
-    return source  # type: ignore[return-value]
+    assert isinstance(source, ReplayableSource), f"{type(source).__name__} reads no history but its identity says it can"
+    return source
 
 
 _POSTGRES_OPTIONS: dict[str, Callable[[str], Any]] = {
@@ -162,15 +218,6 @@ def _postgres_source(
         except ValueError as exc:
             raise SourceError(f"source {shown!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return PostgresSource(dsn, source_table, primary_key=key_columns, **{**parsed, **options})
-
-
-def postgres_table_spec(spec_text: str, table_name: str, primary_key: str | tuple[str, ...] | None = None) -> TableSpec:
-    """The declaration of cdc.<table_name> read from the PostgreSQL table a `postgres:` spec names."""
-    source = _postgres_source(spec_text.strip().partition(":")[2], spec_text, table_name, _key_columns(primary_key), {})
-    try:
-        return source.table_spec(table_name)
-    finally:
-        source.close()
 
 
 def _key_columns(primary_key: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
@@ -209,3 +256,12 @@ def _parse_options(text: str, spec_text: str) -> dict[str, Any]:
         except ValueError as exc:
             raise SourceError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
     return options
+
+
+# One entry per source kind: adding a source is its package and one line here.
+SOURCE_KINDS: dict[str, SourceKind] = {kind.name: kind for kind in (
+    SourceKind("synthetic", "synthetic[:option=value,...]", _open_synthetic, _declare_synthetic),
+    SourceKind("debezium", "debezium:PATH", _open_debezium, _declare_debezium),
+    SourceKind("postgres", "postgres:DSN[#schema.table]", _open_postgres, _declare_postgres),
+    SourceKind("kafka", "kafka:BOOTSTRAP#TOPIC[,option=value,...]", _open_kafka, _declare_kafka),
+)}
