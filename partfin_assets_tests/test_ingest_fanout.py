@@ -9,7 +9,9 @@ lands each event once; a failing share step leaves no file behind and commits no
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -25,7 +27,7 @@ from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.maintenance import remove_orphan_files
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.sources.postgres import lsn_to_int
+from partfin_assets.sources.postgres.position import Position
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 from partfin_assets_tests.cdc_files import orders_lines, partfin, partfin_command, partfin_env, stream_of, write_lines
 from partfin_assets_tests.test_postgres_source import (  # noqa: F401  (database is a fixture)
@@ -49,8 +51,11 @@ def fanout_job():
 
 
 def postgres_fanout_job():
-    """The fan-out job of a table read from PostgreSQL (its declaration: the key only, as the source's own may differ)."""
-    job = build_ingest_fanout_job(PartfinTable(spec=TableSpec("orders", ("id",), watermark_policy=POLICY), source="postgres"))
+    """The fan-out job of a table read from PostgreSQL (its declaration: the key only, as the source's own may differ);
+    its hours start yesterday, as the changes' commit times are now."""
+    start = (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%d-00:00")
+    job = build_ingest_fanout_job(PartfinTable(spec=TableSpec("orders", ("id",), watermark_policy=POLICY), source="postgres",
+                                               partitions_start=start))
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource()}).get_job_def(job.name)
 
 
@@ -221,17 +226,20 @@ def test_a_failing_share_step_leaves_no_file_and_commits_nothing_then_the_next_r
 
 
 def test_a_postgres_slot_moves_to_what_the_fanned_out_committer_landed_in_the_same_run(postgres, database, tmp_path: Path, instance):
-    """The committer step tells the source each checkpoint it landed: the replication slot keeps no change
-    already in cdc.orders once the run ends (not only when the next run's plan starts)."""
+    """The committer step tells the source each checkpoint it landed: once the run ends, the replication slot keeps
+    no change already in cdc.orders (not only once the next run's plan starts)."""
     home = tmp_path / "partfin"
     source = f"postgres:{postgres.dsn(database)}#public.orders,heartbeat_settle=0s"
     with connect(postgres, database) as conn:
         conn.execute(TABLE_DDL)
         create_slots(conn, "partfin_orders")  # the changes from now on
-        for round_, keys in enumerate((range(1, 31), range(31, 46))):
-            conn.execute("INSERT INTO orders (id, amount, status, placed) SELECT i, 1, 'new', now() FROM generate_series(%s::int, %s::int) i",
-                         (keys.start, keys.stop - 1))
+        for round_, first in enumerate((1, 31)):
+            before = slot_confirmed(conn, "partfin_orders")
+            for low in range(first, first + 30, 10):  # three transactions, each a batch of its own
+                conn.execute("INSERT INTO orders (id, amount, status, placed) SELECT i, 1, 'new', now() "
+                             "FROM generate_series(%s::int, %s::int) i", (low, low + 9))
             ok, steps, _ = run_fanout(instance, home, source, max_records=10, max_checkpoints=10, job=postgres_fanout_job)
             assert ok and sum(s.startswith("write_share_orders") for s in steps) == 2, steps
-            assert records(home).height == keys.stop - 1, f"run {round_}: every change once"
-            assert slot_confirmed(conn, "partfin_orders") == lsn_to_int(committed_offset(load_partfin_catalog(home))["lsn"])
+            assert records(home).height == first + 29, f"run {round_}: every change once"
+            landed = Position.from_offset(json.dumps(committed_offset(load_partfin_catalog(home)))).advance_to
+            assert slot_confirmed(conn, "partfin_orders") == landed > before
