@@ -132,7 +132,7 @@ def implausible_event_time(us: int) -> str | None:
 class ChangeBatch:
     records: pa.Table  # CDC_RECORD_SCHEMA (or it without arrival_time: see cdc_records)
     offset: str  # opaque position after this batch; passed back to resume
-    # REJECTED_RECORD_SCHEMA; a Kafka source adds kafka_topic, kafka_partition and kafka_offset
+    # REJECTED_RECORD_SCHEMA (their change log: the batch's progress stream, as for its records)
     rejected: pa.Table = field(default_factory=REJECTED_RECORD_SCHEMA.empty_table)
     heartbeat: datetime | None = None  # the source is complete up to this time
     # the source partition this batch came from (Kafka: `<topic>-<partition>`): the checkpoint belongs to
