@@ -24,7 +24,7 @@ from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.ingest.writer import CdcWriter
-from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, REJECTED_RECORD_SCHEMA, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets_tests.debezium_lines import change_line, heartbeat_line
 from partfin_assets_tests.test_cli import partfin
@@ -299,3 +299,38 @@ def test_primary_key_not_in_the_files_schema_is_refused_before_anything_is_commi
     assert result.returncode == 2
     assert len(lines_out) == 1 and "order_id" in lines_out[0] and "id" in lines_out[0]
     assert table_rows(tmp_path, "cdc.shop") is None
+
+
+def test_a_rejected_table_with_the_legacy_kafka_position_is_migrated_to_source_log_losing_nothing(catalog):
+    """A cdc.<table>__rejected created before `source_log` (its Kafka rows placed by kafka_topic/partition/offset) is
+    rewritten once when a writer opens the table: every row kept, each placed in its change log, the old columns gone;
+    a reject read again at a migrated position is not written twice."""
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import IntegerType, LongType, NestedField, StringType
+
+    legacy = Schema(  # the rejected table's schema as partfin created it before source_log
+        NestedField(1, "writer_id", StringType(), required=True), NestedField(2, "checkpoint_id", LongType(), required=True),
+        NestedField(3, "source_seq", LongType(), required=True), NestedField(4, "raw", StringType(), required=True),
+        NestedField(5, "reason", StringType(), required=True), NestedField(6, "kafka_topic", StringType(), required=False),
+        NestedField(7, "kafka_partition", IntegerType(), required=False), NestedField(8, "kafka_offset", LongType(), required=False))
+    catalog.create_namespace("cdc")
+    old = catalog.create_table("cdc.orders__rejected", schema=legacy)
+    rows = pa.table({"writer_id": ["orders-writer", "orders-writer", "orders-writer", "file-writer"], "checkpoint_id": [1, 1, 2, 3],
+                     "source_seq": [12, 12, 13, 7], "raw": ["a", "b", "c", "d"], "reason": ["bad a", "bad b", "bad c", "bad d"],
+                     "kafka_topic": ["t", "t", "t", None], "kafka_partition": [0, 1, 1, None], "kafka_offset": [12, 12, 13, None]},
+                    schema=old.schema().as_arrow())
+    old.append(rows)
+
+    writer = CdcWriter(catalog, TableSpec("orders", ("id",)), heartbeat_interval_s=0)
+    migrated = catalog.load_table("cdc.orders__rejected")
+    assert [f.name for f in migrated.schema().fields] == ["writer_id", "checkpoint_id", "source_seq", "raw", "reason", "source_log"]
+    got = migrated.scan().to_arrow().sort_by("raw")
+    assert got.drop_columns(["source_log"]).equals(rows.drop_columns(["kafka_topic", "kafka_partition", "kafka_offset"]).cast(
+        got.drop_columns(["source_log"]).schema))
+    assert got.column("source_log").to_pylist() == ["orders-writer/t-0", "orders-writer/t-1", "orders-writer/t-1", "file-writer"]
+
+    again = pa.table({"source_seq": [12, 14], "raw": ["b", "e"], "reason": ["bad b", "bad e"]}, schema=REJECTED_RECORD_SCHEMA)
+    writer.write_checkpoint(ChangeBatch(CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL.empty_table(), "x", rejected=again, stream="t-1"))
+    writer.close()
+    after = catalog.load_table("cdc.orders__rejected").scan().to_arrow().sort_by("raw")
+    assert after.column("raw").to_pylist() == ["a", "b", "c", "d", "e"]  # b is there already, e is new

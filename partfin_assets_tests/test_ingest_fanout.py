@@ -9,7 +9,9 @@ lands each event once; a failing share step leaves no file behind and commits no
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -25,9 +27,19 @@ from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.jobs.maintenance import remove_orphan_files
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.faults import install_faults
+from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.sources.postgres.position import Position
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 from partfin_assets.testing.faults import EnvFaults
 from partfin_assets_tests.cdc_files import orders_lines, partfin, partfin_command, partfin_env, stream_of, write_lines
+from partfin_assets_tests.test_postgres_source import (  # noqa: F401  (database is a fixture)
+    TABLE_DDL,
+    committed_offset,
+    connect,
+    create_slots,
+    database,
+    slot_confirmed,
+)
 
 POLICY = "min-of-last:3"  # a count window: the same watermarks whatever the commits' wall clocks
 SYNTHETIC = "synthetic:seed=11,rate=0.5,start=2026-01-01T00:00:00Z,end=2026-01-01T02:00:00Z,key_space=300,late_fraction=0.05"
@@ -43,8 +55,17 @@ def fanout_job():
     return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource()}).get_job_def(job.name)
 
 
+def postgres_fanout_job():
+    """The fan-out job of a table read from PostgreSQL (its declaration: the key only, as the source's own may differ);
+    its hours start yesterday, as the changes' commit times are now."""
+    start = (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%d-00:00")
+    job = build_ingest_fanout_job(PartfinTable(spec=TableSpec("orders", ("id",), watermark_policy=POLICY), source="postgres",
+                                               partitions_start=start))
+    return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource()}).get_job_def(job.name)
+
+
 def run_fanout(instance, home: Path, source: str, *, max_records: int, max_checkpoints: int, shares: int = 2, spawn: bool = False,
-               retry_of: str | None = None):
+               retry_of: str | None = None, job=fanout_job):
     """One run (`retry_of`: re-executed from that run's failure, reusing its plan); success, steps that succeeded, run id."""
     # the catalog travels in the run config: forked step processes keep the forkserver's environment
     config = {
@@ -53,7 +74,7 @@ def run_fanout(instance, home: Path, source: str, *, max_records: int, max_check
         "ops": {"plan_ingest_orders": {"config": {"max_records": max_records, "max_checkpoints": max_checkpoints, "shares": shares}}},
     }
     retry = ReexecutionOptions.from_failure(retry_of, instance) if retry_of is not None else None
-    with execute_job(reconstructable(fanout_job), instance=instance, run_config=config, raise_on_error=False, reexecution_options=retry) as result:
+    with execute_job(reconstructable(job), instance=instance, run_config=config, raise_on_error=False, reexecution_options=retry) as result:
         steps = [e.step_key for e in result.all_events if e.event_type_value == "STEP_SUCCESS"]
         return result.success, steps, result.run_id
 
@@ -207,3 +228,23 @@ def test_a_failing_share_step_leaves_no_file_and_commits_nothing_then_the_next_r
     cli_ingest(tmp_path / "cli", SYNTHETIC, 800)
     assert_same_ingest(home, tmp_path / "cli")
     assert_only_committed_files(home)
+
+
+def test_a_postgres_slot_moves_to_what_the_fanned_out_committer_landed_in_the_same_run(postgres, database, tmp_path: Path, instance):
+    """The committer step tells the source each checkpoint it landed: once the run ends, the replication slot keeps
+    no change already in cdc.orders (not only once the next run's plan starts)."""
+    home = tmp_path / "partfin"
+    source = f"postgres:{postgres.dsn(database)}#public.orders,heartbeat_settle=0s"
+    with connect(postgres, database) as conn:
+        conn.execute(TABLE_DDL)
+        create_slots(conn, "partfin_orders")  # the changes from now on
+        for round_, first in enumerate((1, 31)):
+            before = slot_confirmed(conn, "partfin_orders")
+            for low in range(first, first + 30, 10):  # three transactions, each a batch of its own
+                conn.execute("INSERT INTO orders (id, amount, status, placed) SELECT i, 1, 'new', now() "
+                             "FROM generate_series(%s::int, %s::int) i", (low, low + 9))
+            ok, steps, _ = run_fanout(instance, home, source, max_records=10, max_checkpoints=10, job=postgres_fanout_job)
+            assert ok and sum(s.startswith("write_share_orders") for s in steps) == 2, steps
+            assert records(home).height == first + 29, f"run {round_}: every change once"
+            landed = Position.from_offset(json.dumps(committed_offset(load_partfin_catalog(home)))).advance_to
+            assert slot_confirmed(conn, "partfin_orders") == landed > before

@@ -300,12 +300,10 @@ def test_bad_messages_tombstones_and_heartbeats(tmp_path, kafka_cluster):
     assert "rejected 9" in stderr.splitlines()[-1]
 
     catalog = load_partfin_catalog(home)
-    rejected = catalog.load_table("cdc.orders__rejected").scan().to_arrow().sort_by([("kafka_partition", "ascending"), ("kafka_offset", "ascending")])
+    rejected = catalog.load_table("cdc.orders__rejected").scan().to_arrow().sort_by([("source_log", "ascending"), ("source_seq", "ascending")])
     assert rejected.num_rows == 9  # each exactly once, though every partition has them at the same offsets
-    assert rejected.column("kafka_topic").to_pylist() == [TOPIC] * 9
-    assert rejected.column("kafka_partition").to_pylist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert rejected.column("kafka_offset").to_pylist() == [12, 13, 14] * 3
-    assert rejected.column("source_seq").to_pylist() == rejected.column("kafka_offset").to_pylist()
+    assert rejected.column("source_log").to_pylist() == [f"orders-writer/{TOPIC}-{p}" for p in (0, 0, 0, 1, 1, 1, 2, 2, 2)]
+    assert rejected.column("source_seq").to_pylist() == [12, 13, 14] * 3  # the message's offset in its partition
     for raw, reason in zip(rejected.column("raw").to_pylist(), rejected.column("reason").to_pylist()):
         assert bad[raw.encode()] in reason
 

@@ -92,5 +92,5 @@ def test_a_poisoned_kafka_message_in_one_partition_stops_no_partition(tmp_path, 
     cdc = catalog.load_table("cdc.orders").scan().to_arrow()
     assert sorted(json.loads(k)["id"] for k in cdc.column("key").to_pylist()) == list(range(30))
     rejected = catalog.load_table("cdc.orders__rejected").scan().to_arrow()
-    assert rejected.column("kafka_partition").to_pylist() == [1] and rejected.column("kafka_offset").to_pylist() == [4]
+    assert rejected.column("source_log").to_pylist() == [f"orders-writer/{TOPIC}-1"] and rejected.column("source_seq").to_pylist() == [4]
     assert "nested deeper than" in rejected.column("reason").to_pylist()[0]

@@ -501,3 +501,23 @@ def test_synthetic_on_an_accelerated_clock_emits_the_same_stream_sooner_and_neve
     wall[0] += timedelta(hours=1)  # 60 event hours later the event clock would pass the wall clock: it stops there
     caught_up = read_all(source, later[-1].offset, max_records=1_000_000)
     assert max(b.heartbeat for b in caught_up) <= wall[0]
+
+
+def test_every_registered_source_kind_declares_the_capabilities_docs_sources_md_lists():
+    """The contract table of docs/sources.md says which kind declares which optional capability; the source classes'
+    bases (what the writer, session and fan-out ask with isinstance) say the same, for every kind in the registry."""
+    import re
+    from pathlib import Path
+
+    from partfin_assets.model import records
+    from partfin_assets.sources.registry import SOURCE_KINDS
+
+    text = (Path(__file__).parents[1] / "docs" / "sources.md").read_text()
+    table = text[text.index("## The source contract"):text.index("## Source identity")]
+    documented = {}
+    for capability, declared_by in re.findall(r"^\| `(\w+)` \|[^\n]*\| ([^|\n]+) \|$", table, re.M):
+        documented[capability] = {kind for kind in SOURCE_KINDS if re.search(rf"\b{kind}\b", declared_by)}
+    assert set(documented) == {"ReplayableSource", "AcknowledgesCommits", "HoldsConnections", "DiscoversColumns", "ReadsPartitions"}
+    for capability, kinds in documented.items():
+        protocol = getattr(records, capability)
+        assert {k for k, entry in SOURCE_KINDS.items() if protocol in entry.source.__mro__} == kinds, capability  # declared

@@ -74,11 +74,13 @@ REJECTED_SCHEMA = Schema(
     NestedField(3, "source_seq", LongType(), required=True),
     NestedField(4, "raw", StringType(), required=True),
     NestedField(5, "reason", StringType(), required=True),
-    # where a Kafka message came from (null for other sources): its topic, partition and offset
-    NestedField(6, "kafka_topic", StringType(), required=False),
-    NestedField(7, "kafka_partition", IntegerType(), required=False),
-    NestedField(8, "kafka_offset", LongType(), required=False),
+    # the change log source_seq is a position in, as in cdc.<table>: the writer's progress stream (its writer id,
+    # or `<writer id>/<topic>-<partition>` for a Kafka partition); null only before a table's rows were migrated
+    NestedField(6, "source_log", StringType(), required=False),
 )
+# The rejected table's position before `source_log`: a Kafka message's topic, partition and offset (the offset is
+# its source_seq). A table created then is migrated once (`migrate_rejected_position`), nothing lost.
+LEGACY_REJECTED_POSITION = ("kafka_topic", "kafka_partition", "kafka_offset")
 
 # <cdc table>__ledger: the durable late-data ledger (iceberg/ledger.py), one row per (stream, checkpoint, event hour)
 LEDGER_SCHEMA = Schema(
@@ -128,6 +130,7 @@ def ensure_cdc_tables(catalog: Catalog, spec: TableSpec) -> Table:
     ensure_ledger_table(catalog, spec.cdc_identifier)
     _add_missing_columns(catalog, spec.cdc_identifier, CDC_SCHEMA)
     _add_missing_columns(catalog, spec.rejected_identifier, REJECTED_SCHEMA)
+    migrate_rejected_position(catalog, spec.rejected_identifier)
     _ensure_properties(catalog, spec.rejected_identifier, NO_COLUMN_BOUNDS)
     return ensure_managed_properties(catalog, spec.cdc_identifier)
 
@@ -144,8 +147,43 @@ def _ensure_properties(catalog: Catalog, identifier: str, properties: dict[str, 
         set_table_properties(catalog, identifier, properties)
 
 
+def migrate_rejected_position(catalog: Catalog, identifier: str) -> None:
+    """A rejected table with the legacy Kafka position columns: each row's `source_log` is filled from them
+    (`<writer id>/<topic>-<partition>`; rows of other sources: the writer's own stream), then the columns go.
+
+    Lossless: a Kafka row's offset is its source_seq (checked; a table where it is not keeps the columns). Idempotent:
+    a run interrupted between the rewrite and the column drop redoes nothing but the drop.
+    """
+    table = catalog.load_table(identifier)
+    legacy = [f.name for f in table.schema().fields if f.name in LEGACY_REJECTED_POSITION]
+    if not legacy:
+        return
+    rows = table.scan().to_arrow()
+    if set(legacy) == set(LEGACY_REJECTED_POSITION) and rows.num_rows:
+        kafka = pc.is_valid(rows.column("kafka_topic"))
+        if not pc.all(pc.or_(pc.invert(kafka), pc.equal(rows.column("kafka_offset"), rows.column("source_seq")))).as_py():
+            log.warning("%s: a Kafka offset differs from its source_seq; the legacy position columns are kept", identifier)
+            return
+        text = [pc.cast(rows.column(name), pa.large_string()) for name in ("writer_id", "kafka_topic", "kafka_partition")]
+        partition_log = pc.binary_join_element_wise(text[0], pc.binary_join_element_wise(text[1], text[2], pa.scalar("-", pa.large_string())),
+                                                   pa.scalar("/", pa.large_string()))
+        derived = pc.if_else(kafka, partition_log, text[0])
+        filled = pc.cast(pc.coalesce(pc.cast(rows.column("source_log"), pa.large_string()), derived), rows.schema.field("source_log").type)
+        if not filled.equals(rows.column("source_log")):
+            table.overwrite(rows.set_column(rows.schema.get_field_index("source_log"), rows.schema.field("source_log"), filled))
+    elif rows.num_rows:
+        log.warning("%s: only some legacy position columns (%s) are there; kept", identifier, legacy)
+        return
+    try:
+        with catalog.load_table(identifier).update_schema() as update:
+            for name in legacy:
+                update.delete_column(name)
+    except CommitFailedException:
+        pass  # another writer migrated it at the same moment (or evolves it): the next start finishes the drop
+
+
 def _add_missing_columns(catalog: Catalog, identifier: str, schema: Schema) -> None:
-    """A table created before a nullable column existed (cdc: `arrival_time`; rejected: the Kafka position)
+    """A table created before a nullable column existed (cdc: `arrival_time`; rejected: `source_log`)
     gets it: its old rows read null."""
     table = catalog.load_table(identifier)
     names = {f.name for f in table.schema().fields}

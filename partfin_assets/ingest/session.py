@@ -21,6 +21,7 @@ from pyiceberg.catalog import Catalog
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult, PreparedCheckpoint
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.records import AcknowledgesCommits, CdcSource, DiscoversColumns, HoldsConnections
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.registry import source_kind, source_table_spec
 from partfin_assets.watermark.registry import parse_policy
@@ -46,26 +47,24 @@ def resolve_spec(catalog: Catalog | None, table: str, source_text: str, *, prima
     return spec if watermark_policy is None else dataclasses.replace(spec, watermark_policy=watermark_policy)
 
 
-def record_discovered_columns(catalog: Catalog, spec: TableSpec, source) -> None:
+def record_discovered_columns(catalog: Catalog, spec: TableSpec, source: CdcSource) -> None:
     """Column types found in a Debezium envelope complete a declaration that named only the key."""
-    discover = getattr(source, "column_types", None)
-    columns = discover() if discover is not None else None
+    columns = source.column_types() if isinstance(source, DiscoversColumns) else None
     if spec.columns or not columns:
         return
     declared = {K.PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[K.PROP_COLUMNS]}
     set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
 
 
-def close_source(source) -> None:
-    close = getattr(source, "close", None)  # e.g. a Kafka consumer leaves its group at once
-    if close is not None:
-        close()
+def close_source(source: CdcSource) -> None:
+    if isinstance(source, HoldsConnections):  # e.g. a Kafka consumer leaves its group at once
+        source.close()
 
 
 class IngestSession:
     """A CDC writer on `spec` reading `source` (opened by the caller, closed by the session). Use as a context manager."""
 
-    def __init__(self, catalog: Catalog, spec: TableSpec, source, **writer_options) -> None:
+    def __init__(self, catalog: Catalog, spec: TableSpec, source: CdcSource, **writer_options) -> None:
         self.catalog = catalog
         self.source = source
         try:
@@ -85,9 +84,8 @@ class IngestSession:
     def read_checkpoints(self, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
         """Batches for other processes to write and a committer to commit (the fan-out); the source is first told
         what is committed (`run` tells it after each commit)."""
-        on_committed = getattr(self.source, "on_committed", None)
-        if on_committed is not None and self.writer.resume_offset is not None:
-            on_committed(self.writer.resume_offset)  # e.g. a replication slot may move to what is committed
+        if isinstance(self.source, AcknowledgesCommits) and self.writer.resume_offset is not None:
+            self.source.on_committed(self.writer.resume_offset)  # e.g. a replication slot may move to what is committed
         return self.writer.read_checkpoints(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
 
     def __enter__(self) -> IngestSession:

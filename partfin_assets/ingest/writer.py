@@ -51,7 +51,16 @@ from partfin_assets.ingest.watermark_processor import WatermarkProcessor, future
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasures, redact_raw_lines, without_erased
 from partfin_assets.model.errors import InvalidInput, PartfinError
-from partfin_assets.model.records import ARRIVAL_TIME, CdcSource, ChangeBatch, cdc_records, with_source_log
+from partfin_assets.model.records import (
+    ARRIVAL_TIME,
+    AcknowledgesCommits,
+    CdcSource,
+    ChangeBatch,
+    SOURCE_LOG,
+    ReadsPartitions,
+    cdc_records,
+    with_source_log,
+)
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_clock_us, suspect_future
 from partfin_assets.model.summary_keys import JobKind
@@ -283,7 +292,7 @@ class CdcWriter:
 
         faults().crash_point("after-files")
         accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
-        rejected = self._commit_rejected(prepared.rejected, checkpoint_id)
+        rejected = self._commit_rejected(prepared.rejected, checkpoint_id, prepared.stream_id)
 
         base_summary = {
             K.WRITER_ID: self.writer_id,
@@ -388,7 +397,7 @@ class CdcWriter:
         rows = checkpoint_rows(checkpoint, event_time, records.column(ARRIVAL_TIME))
         self._ledger.add(rows)
 
-    def _commit_rejected(self, rejected: pa.Table, checkpoint_id: int) -> int:
+    def _commit_rejected(self, rejected: pa.Table, checkpoint_id: int, source_log: str) -> int:
         """Rejected records land in cdc.<table>__rejected once per source position, however batches are cut.
 
         They commit before the checkpoint (so a landed checkpoint always has its rejects); a batch that
@@ -402,17 +411,15 @@ class CdcWriter:
         rows = rejected.append_column("writer_id", pa.array([self.writer_id] * count, pa.string())).append_column(
             "checkpoint_id", pa.array([checkpoint_id] * count, pa.int64())
         )
-        for name, data_type in _KAFKA_POSITION.items():  # where a Kafka message came from; null for other sources
-            if name not in rows.column_names:
-                rows = rows.append_column(name, pa.nulls(count, data_type))
-        rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason", *_KAFKA_POSITION])
+        rows = rows.append_column(SOURCE_LOG, pa.array([source_log] * count, pa.string()))  # the log source_seq is in
+        rows = rows.select(["writer_id", "checkpoint_id", "source_seq", "raw", "reason", SOURCE_LOG])
         first, last = pc.min_max(rows.column("source_seq")).values()
         files = AttemptFiles()
         erasures = self.erasures()
 
         def build(table: Table, commit_id: str):
             in_range = And(GreaterThanOrEqual("source_seq", first.as_py()), LessThanOrEqual("source_seq", last.as_py()))
-            position = ("source_seq", "kafka_topic", "kafka_partition")  # a Kafka offset is a position within its partition
+            position = ("source_seq", SOURCE_LOG)  # a position within its change log (a Kafka partition's offsets)
             there = table.scan(row_filter=And(EqualTo("writer_id", self.writer_id), in_range), selected_fields=position).to_arrow()
             seen = set(zip(*(there.column(c).to_pylist() for c in position)))
             new = rows.filter(pa.array([p not in seen for p in zip(*(rows.column(c).to_pylist() for c in position))], pa.bool_()))
@@ -512,7 +519,7 @@ class CdcWriter:
     ) -> Iterator[CheckpointResult]:
         """Commit one checkpoint per source batch, resuming after the last committed offset.
 
-        A source with an `on_committed(offset)` method (e.g. a replication slot that may only
+        A source that `AcknowledgesCommits` (e.g. a replication slot that may only
         move past committed changes) is told each offset once its checkpoint commit landed,
         before the next batch is asked for. Empty batches are not reported. When another process
         commits under the same writer id meanwhile (WriterFenced), the source is read again from
@@ -522,7 +529,7 @@ class CdcWriter:
         SourceMismatch names the table's current source); each checkpoint records it again.
         """
         committed = 0
-        on_committed = getattr(source, "on_committed", None)
+        on_committed = source.on_committed if isinstance(source, AcknowledgesCommits) else None
         self._check_source(source)
         while True:
             with closing(self._batches(source, max_records)) as batches:
@@ -569,7 +576,7 @@ class CdcWriter:
 
     def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
         """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
-        assigned_streams = getattr(source, "assigned_streams", None)
+        assigned_streams = source.assigned_streams if isinstance(source, ReadsPartitions) else None
         batches = source.batches(self.resume_offset, max_records)
         try:
             for batch in batches:
@@ -586,9 +593,6 @@ class CdcWriter:
             close = getattr(batches, "close", None)  # a generator: run its cleanup now, not at garbage collection
             if close is not None:
                 close()
-
-
-_KAFKA_POSITION = {"kafka_topic": pa.string(), "kafka_partition": pa.int32(), "kafka_offset": pa.int64()}
 
 
 def write_share(table: Table, share: pa.Table, accumulators: Sequence[type[Accumulator]],

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import polars as pl
 import pyarrow as pa
@@ -132,7 +132,7 @@ def implausible_event_time(us: int) -> str | None:
 class ChangeBatch:
     records: pa.Table  # CDC_RECORD_SCHEMA (or it without arrival_time: see cdc_records)
     offset: str  # opaque position after this batch; passed back to resume
-    # REJECTED_RECORD_SCHEMA; a Kafka source adds kafka_topic, kafka_partition and kafka_offset
+    # REJECTED_RECORD_SCHEMA (their change log: the batch's progress stream, as for its records)
     rejected: pa.Table = field(default_factory=REJECTED_RECORD_SCHEMA.empty_table)
     heartbeat: datetime | None = None  # the source is complete up to this time
     # the source partition this batch came from (Kafka: `<topic>-<partition>`): the checkpoint belongs to
@@ -150,9 +150,45 @@ class CdcSource(IdentifiedSource, Protocol):
         ...
 
 
+@runtime_checkable
 class ReplayableSource(CdcSource, Protocol):
     def history(self, until_offset: str, max_records: int) -> Iterator[pa.Table]:
         """The records from the start of the history up to `until_offset` (what a writer committed
         when it stood there), in batches of at most max_records; SourceChanged if the source no
         longer holds exactly that history."""
+        ...
+
+
+# Optional capabilities: a source declares each one it has by naming the protocol among its bases
+# (`class PostgresSource(CdcSource, AcknowledgesCommits, HoldsConnections, DeclaresTable)`); the writer,
+# the ingest session and the fan-out ask `isinstance(source, <capability>)`, never for a method by name.
+
+
+@runtime_checkable
+class AcknowledgesCommits(Protocol):
+    def on_committed(self, offset: str) -> None:
+        """Everything up to `offset` is committed in the table (a replication slot may move there, a consumer
+        group's offsets follow). Called after each landed checkpoint, by `CdcWriter.run` and the fan-out's committer."""
+        ...
+
+
+@runtime_checkable
+class HoldsConnections(Protocol):
+    def close(self) -> None:
+        """Release connections now (a Kafka consumer leaves its group at once); the ingest session calls it at the end."""
+        ...
+
+
+@runtime_checkable
+class DiscoversColumns(Protocol):
+    def column_types(self) -> dict[str, pa.DataType] | None:
+        """Column types learned from what was read (a Debezium schema block), or None: they complete a declaration
+        that named only the key."""
+        ...
+
+
+@runtime_checkable
+class ReadsPartitions(Protocol):
+    def assigned_streams(self) -> list[str]:
+        """The source partitions read now (Kafka: `<topic>-<partition>`), each a progress stream of the table."""
         ...

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from partfin_assets.model.errors import InvalidInput
+from partfin_assets.model.errors import InvalidInput, SourceError
 from partfin_assets.model.summary_keys import PROP_COLUMNS, PROP_PRIMARY_KEY
 from partfin_assets.model.table_options import WATERMARK_POLICY
 
@@ -156,3 +156,10 @@ class TableSpec:
     def row_identifiers(self) -> tuple[str, ...]:
         """Every table holding the table's rows or raw lines: what a privacy request erases from and maintenance expires."""
         return (self.cdc_identifier, self.rejected_identifier, self.base_identifier, self.quarantine_identifier)
+
+
+def new_table_key(table_name: str, key_columns: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The key of a cdc.<table_name> about to be declared from a source that does not know it (a file, a topic)."""
+    if not key_columns:
+        raise SourceError(f"cdc.{table_name} does not exist yet: give its key with --primary-key COL[,COL]")
+    return key_columns

@@ -21,10 +21,11 @@ from typing import Any
 import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
+from partfin_assets.model.redaction import redact
 from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, CdcSource, ChangeBatch, DiscoversColumns, ReplayableSource
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import TableSpec, new_table_key
 from partfin_assets.model.timeutil import from_us
 from partfin_assets.sources.debezium_json import (
     OVERSIZED_RAW_BYTES,
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 _SCHEMA_PEEK_LINES = 1_000  # lines read to find a schema block when a table is declared
 
 
-class DebeziumFileSource:
+class DebeziumFileSource(ReplayableSource, DiscoversColumns):
     """Change events of one table from a Debezium JSON-lines file.
 
     The key columns are `primary_key` if given, else the spec's; the spec's typed columns are the
@@ -433,3 +434,22 @@ class _FilePosition:
             return cls(int(fields["byte"]), int(fields["line"]), fields.get("crc32"), b"", fields.get("tail_crc32"))
         except (ValueError, TypeError, KeyError) as exc:
             raise SourceError(f"not a debezium-file offset: {offset!r} ({exc})") from exc
+
+
+# ---- the registry entry's functions (sources/registry.py SOURCE_KINDS)
+
+
+def _debezium_path(argument: str, spec_text: str) -> str:
+    if not argument:
+        raise SourceError(f"source {redact(spec_text)!r}: debezium needs a file path, e.g. debezium:/data/orders.jsonl")
+    return argument
+
+
+def open_debezium(argument: str, text: str, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    return DebeziumFileSource(_debezium_path(argument, text), primary_key=key_columns, spec=table, complete_file=complete,
+                              **options)
+
+
+def declare_debezium(argument: str, text: str, table_name: str, key_columns, complete: bool) -> TableSpec:
+    path = _debezium_path(argument, text)
+    return debezium_table_spec(path, table_name, new_table_key(table_name, key_columns), complete=complete)

@@ -62,11 +62,21 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
 from partfin_assets.model.errors import SourceError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, ChangeBatch, implausible_event_time
+from partfin_assets.model.records import (
+    CDC_RECORD_SCHEMA,
+    REJECTED_RECORD_SCHEMA,
+    AcknowledgesCommits,
+    CdcSource,
+    ChangeBatch,
+    DiscoversColumns,
+    HoldsConnections,
+    ReadsPartitions,
+    implausible_event_time,
+)
 from partfin_assets.model.redaction import MASK, redact
 from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
-from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.model.tablespec import TableSpec, new_table_key
 from partfin_assets.model.timeutil import from_us, parse_duration
 from partfin_assets.sources.debezium import change_records
 from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJsonDecoder, DecodedChange, DecodedHeartbeat, RejectedMessage
@@ -247,7 +257,7 @@ class _Pending:
         return self.next_offset is not None
 
 
-class KafkaSource:
+class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversColumns, ReadsPartitions):
     """Debezium change events of one table from one Kafka topic (see the module docstring)."""
 
     kind = "kafka"
@@ -408,7 +418,6 @@ class KafkaSource:
         assert pending.next_offset is not None
         self._positions[partition] = pending.next_offset
         offsets = pa.array([offset for offset, _, _ in pending.rejected], pa.int64())
-        count = len(offsets)
         rejected = pa.table(
             {
                 "source_seq": offsets,
@@ -417,8 +426,6 @@ class KafkaSource:
             },
             schema=REJECTED_RECORD_SCHEMA,
         )
-        rejected = rejected.append_column("kafka_topic", pa.array([self.spec.topic] * count, pa.string())).append_column(
-            "kafka_partition", pa.array([partition] * count, pa.int32())).append_column("kafka_offset", offsets)
         return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset(), rejected=rejected,
                            stream=self.stream_of(partition))
 
@@ -520,3 +527,15 @@ class KafkaSource:
         for secret in self._secret_values:
             text = text.replace(secret, MASK)
         return redact(text)
+
+
+# ---- the registry entry's functions (sources/registry.py SOURCE_KINDS)
+
+
+def open_kafka(argument: str, text: str, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    return KafkaSource(parse_kafka_spec(argument, text), table, key_columns, **options)
+
+
+def declare_kafka(argument: str, text: str, table_name: str, key_columns, complete: bool) -> TableSpec:
+    parse_kafka_spec(argument, text)  # column types come from the messages' schema blocks as they are read
+    return TableSpec(table_name, new_table_key(table_name, key_columns))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -26,11 +27,12 @@ import polars as pl
 import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
+from partfin_assets.model.redaction import redact
 from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, CdcSource, ChangeBatch, ReplayableSource
 from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, now_utc, to_us
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, from_us, iso_z, now_utc, parse_duration, parse_iso, to_us
 
 ORDERS_SPEC = TableSpec(
     name="orders",
@@ -95,7 +97,7 @@ class _Position:
             raise SourceError(f"not a synthetic-source offset: {offset!r} ({exc})") from exc
 
 
-class SyntheticSource:
+class SyntheticSource(ReplayableSource):
     """Insert/update/delete changes of `orders` rows, deterministic by seed.
 
     Events are generated from an anchor: `start` if given, else `hours` before the
@@ -407,3 +409,80 @@ class _ArrivalStream:
         self._next_seq += chunk.num_rows
         merged = pa.concat_tables([self._pending, chunk])
         self._pending = merged.combine_chunks().sort_by([(_ARRIVAL, "ascending"), ("source_seq", "ascending")])
+
+
+# ---- the registry entry's functions (sources/registry.py SOURCE_KINDS)
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise SourceError(f"not a boolean: {text!r}")
+
+
+def _optional_duration(text: str) -> timedelta | None:
+    return None if text.strip().lower() in ("none", "off", "0") else parse_duration(text)
+
+
+SYNTHETIC_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "seed": int,
+    "rate": float,
+    "hours": float,
+    "start": parse_iso,
+    "end": parse_iso,
+    "follow": parse_bool,
+    "key_space": int,
+    "delete_fraction": float,
+    "late_fraction": float,
+    "max_lateness": parse_duration,
+    "idle_every": _optional_duration,
+    "idle_for": parse_duration,
+    "heartbeat_every": parse_duration,
+    "speed": float,
+    "speed_since": parse_iso,
+    "speed_event": parse_iso,
+}
+
+
+def check_orders_table(table: TableSpec, key_columns: tuple[str, ...] | None) -> None:
+    """The synthetic source produces `orders` rows; a table declared otherwise would not match them."""
+    for declared in (table.primary_key, key_columns or ORDERS_SPEC.primary_key):
+        if declared != ORDERS_SPEC.primary_key:
+            raise SourceError(f"the synthetic source keys rows by {ORDERS_SPEC.primary_key}, not by {declared}")
+    # Names only: a declaration read back from the catalog may spell the types differently (large_string).
+    if table.columns and set(table.columns) != set(ORDERS_SPEC.columns):
+        raise SourceError(
+            f"the synthetic source produces columns {list(ORDERS_SPEC.columns)}; table {table.name!r} declares "
+            f"{list(table.columns)} (use ORDERS_SPEC's columns)"
+        )
+
+
+def parse_synthetic_options(text: str, spec_text: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals:
+            raise SourceError(f"source {redact(spec_text)!r}: option {item!r} is not name=value")
+        parse = SYNTHETIC_OPTIONS.get(name)
+        if parse is None:
+            raise SourceError(
+                f"source {redact(spec_text)!r}: unknown synthetic option {name!r}; known: {', '.join(SYNTHETIC_OPTIONS)}"
+            )
+        try:
+            options[name] = parse(value.strip())
+        except ValueError as exc:
+            raise SourceError(f"source {redact(spec_text)!r}: option {name}: {redact(str(exc), spec_text)}") from None
+    return options
+
+
+def open_synthetic(argument: str, text: str, table: TableSpec, key_columns, complete: bool, options: dict[str, Any]) -> CdcSource:
+    check_orders_table(table, key_columns)
+    return SyntheticSource(**{**parse_synthetic_options(argument, text), **options})
+
+
+def declare_synthetic(argument: str, text: str, table_name: str, key_columns, complete: bool) -> TableSpec:
+    return TableSpec(table_name, ORDERS_SPEC.primary_key, dict(ORDERS_SPEC.columns), ORDERS_SPEC.watermark_policy)

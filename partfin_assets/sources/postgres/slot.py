@@ -6,7 +6,8 @@ The slot is advanced only to positions that are committed in cdc.<table>:
    the offset of its last committed checkpoint), and refuses to run if the slot is already beyond
    it (changes would have been consumed elsewhere).
 2. `PostgresSource.on_committed(offset)` advances it to `offset`. `CdcWriter.run` calls it after
-   each checkpoint commit that landed, before it asks for the next batch; batches the writer
+   each checkpoint commit that landed, before it asks for the next batch, and so does the
+   fan-out's committer step (ingest/fanout.py `commit_plan`) in the run that landed it; batches the writer
    skips (an empty batch whose heartbeat is not due) are never reported, so the slot never
    passes them. A crash between the Iceberg commit and the advance only leaves the slot
    behind; on restart the source skips what the committed offset already covers.

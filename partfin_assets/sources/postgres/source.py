@@ -16,7 +16,7 @@ import psycopg
 import pyarrow as pa
 
 from partfin_assets.model.errors import SourceError
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, ChangeBatch
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, AcknowledgesCommits, CdcSource, ChangeBatch, DiscoversColumns, HoldsConnections
 from partfin_assets.model import conninfo
 from partfin_assets.model.source_identity import SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, type_to_text
@@ -30,7 +30,7 @@ from partfin_assets.sources.postgres.wal2json import drain, probe_numbers_as_tex
 log = logging.getLogger(__name__)
 
 
-class PostgresSource:
+class PostgresSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversColumns):
     """Changes of one PostgreSQL table through a wal2json logical replication slot.
 
     `table` is `name` or `schema.name` (schema defaults to public); `slot` defaults to
