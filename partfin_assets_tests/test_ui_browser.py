@@ -27,6 +27,7 @@ from dagster import AssetCheckKey, AssetCheckSeverity, AssetKey, AssetRecordsFil
 
 from partfin_assets.finalization.hours import hour_from_key, hour_key
 from partfin_assets.finalization.read_points import AMENDMENT_TAG
+from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 from partfin_assets.testing import dagster_processes
 
@@ -265,7 +266,7 @@ def test_demo_in_chromium(tmp_path):
             assert "Not evaluated" not in checks
             # 4: the late_data check's history: the WARN stayed over several sync runs
             page.get_by_text("Execution history").first.click()
-            page.get_by_text("the downstream has not run with yet", exact=False).first.wait_for(timeout=60_000)
+            page.get_by_text(NEEDS_ATTENTION, exact=False).first.wait_for(timeout=60_000)
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "4-late-data-warn-history.png"))
             # 5: base_orders: an executable asset with its latest event and partitions

@@ -30,6 +30,8 @@ from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, iso_z, now_utc, parse_iso, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
+# the one phrase for the hours that need attention: the late_data check, `partfin status` and the UI say it alike
+NEEDS_ATTENTION = "late records neither re-run downstream nor acknowledged"
 # how many of the newest snapshots watermark_fresh searches for the writer's last two checkpoints
 CHECKPOINT_LOOKBACK = 64
 WARN, ERROR = "WARN", "ERROR"
@@ -177,14 +179,14 @@ def late_data_outcome(
         "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
     }
     if not open_hours:
-        return CheckOutcome(True, f"{total} late record(s) in {len(late)} hour partition(s), every one re-run since or "
-                            f"acknowledged ({len(acknowledged)} acknowledged)",
+        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s), "
+                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)",
                             metadata=metadata)
     return CheckOutcome(
         passed=False,
         severity=WARN,
-        description=f"{sum(open_hours.values())} late record(s) in {len(open_hours)} hour partition(s) the downstream has not run "
-        f"with yet: {', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
+        description=f"{len(open_hours)} hour partition(s) hold {NEEDS_ATTENTION}: {sum(open_hours.values())} record(s) in "
+        f"{', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
         metadata=metadata,
     )
 
