@@ -11,6 +11,7 @@ real Dagster instance (its asset events recorded as the daemon records them).
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -181,6 +182,8 @@ def test_status_and_the_late_data_check_name_the_same_hours_in_the_same_words(op
     attention, text = status()
     assert not check.passed and check.metadata["partitions_to_rerun"].value == [H1_KEY] == list(attention) and attention[H1_KEY] == 2
     assert NEEDS_ATTENTION in check.description and f"{NEEDS_ATTENTION} in hour(s) {H1_KEY} (2)" in text
+    print(check.description)
+    assert re.search(rf"{H1_KEY}: 2 record\(s\), the last \d+ (s|min( \d+ s)?) after the hour was final", check.description)  # how late
 
     (rerun,) = [r for r in op.finalization_tick().run_requests if r.partition_key == H1_KEY]
     op.activity(H1_KEY, tags=rerun.tags)  # the amendment's downstream run
