@@ -40,7 +40,7 @@ LEARN_HISTORY_US = 7 * 24 * US_PER_HOUR  # ... and at most this long before that
 LEARN_REFRESH_US = 15 * 60 * US_PER_SECOND  # the learned delay is recomputed from the ledger this often
 # ... and this often while nothing is learned yet: a new table catching up on a backlog has mature history in its
 # ledger within minutes, and waiting 15 minutes on the fallback (which a late tail holds back) delays every hour
-LEARN_RETRY_US = 60 * US_PER_SECOND
+LEARN_RETRY_US = 10 * US_PER_SECOND
 LEARN_STEP_S = 60  # the delay is learned on a one-minute grid
 LEARN_MAX_DELAY_S = 48 * 3600
 
