@@ -23,6 +23,7 @@ from partfin_assets.finalization.hours import hour_key, parse_hour
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.report import report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
+from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
@@ -434,9 +435,10 @@ def _status(args: argparse.Namespace) -> int:
         for ack in s.acknowledged_late_hours or []:
             print(f"{s.name}: hour {ack['hour']}: {ack['late_records']} late record(s) acknowledged by {ack['by']} at {ack['at']}: "
                   f"{ack['reason']}")
-        if s.unacknowledged_late_hours:
-            print(f"{s.name}: late records not acknowledged in hour(s) {', '.join(s.unacknowledged_late_hours)} "
-                  "(the late_data check names those not re-run since; `partfin late-data ack` acknowledges)")
+        if s.late_hours_needing_attention:
+            hours = ", ".join(f"{hour} ({n})" for hour, n in s.late_hours_needing_attention.items())
+            print(f"{s.name}: {NEEDS_ATTENTION} in hour(s) {hours}: re-run them downstream, or acknowledge "
+                  "(`partfin late-data ack`)")
     for s in statuses:
         if s.rebucket:
             print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from dagster import (
@@ -146,6 +147,12 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     finals = [e.asset_materialization.metadata for e in cdc_events if e.asset_materialization.metadata["finalized"].value]
     assert finals and all(isinstance(m["finalization_lag_seconds"].value, float) and m["finalization_lag_seconds"].value >= 0
                           for m in finals)
+    # the one line a partition page shows on top: final since when, and whether late data reached it after
+    assert all(re.fullmatch(r"final since \S+Z \(.+ after the hour's end\); (no late data reached it after|\d+ late record\(s\) "
+                            r"reached it after it was final)", m["finality"].value) for m in finals)
+    assert all(m["finality"].value.startswith("not final: the watermark has not passed ")
+               for e in cdc_events if not (m := e.asset_materialization.metadata)["finalized"].value)
+    assert list(finals[0])[0] == "finality"
     partitions = {e.dagster_event.partition for e in cdc_events}
     assert "2026-01-01-00:00" in partitions and "2026-01-01-06:00" in partitions
     base_events = _materializations(instance, BASE)
@@ -159,6 +166,10 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     # per-commit facts are a table-level series
     observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(CDC, limit=1000).records]
     assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
+    # the finalization report as markdown on cdc_orders: the UI renders it, no path on the server's disk
+    (report,) = [m["finalization_report"] for m in observed if "finalization_report" in m]
+    assert report.value.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report.value
+    assert "| hour (UTC) | final | finalization lag | late records |" in report.value
     # the checks ran in the sync run itself: the UI shows them on the latest materialization
     in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
     assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input", "writer_clocks"}

@@ -89,12 +89,13 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
     status = _status(home)
     (ack,) = status["acknowledged_late_hours"]
     assert ack["hour"] == H1_ISO and ack["by"] == "alice" and ack["reason"] == "replayed upstream already" and ack["late_records"] == 6
-    assert status["unacknowledged_late_hours"] == [H2_ISO]
+    assert status["late_hours_needing_attention"] == {H2: 6}
     check = _late_check(defs, instance)
     assert not check.passed and check.metadata["partitions_to_rerun"].value == [H2]
     assert list(check.metadata["acknowledged_partitions"].value) == [H1]
     text = partfin(home, "status").stdout
-    assert f"hour {H1_ISO}: 6 late record(s) acknowledged by alice" in text and H2_ISO in text
+    assert f"hour {H1_ISO}: 6 late record(s) acknowledged by alice" in text
+    assert f"late records neither re-run downstream nor acknowledged in hour(s) {H2} (6)" in text  # the check's words
 
     # the Dagster job: every late hour; the run re-evaluates late_data, which passes
     run = defs.resolve_job_def("acknowledge_late_orders").execute_in_process(
@@ -104,7 +105,7 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
     assert in_run.passed and sorted(in_run.metadata["acknowledged_partitions"].value) == [H1, H2]
     assert _late_check(defs, instance).passed
     status = _status(home)
-    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H1_ISO, H2_ISO] and status["unacknowledged_late_hours"] == []
+    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H1_ISO, H2_ISO] and status["late_hours_needing_attention"] == {}
     assert all(a["by"] == f"dagster run {run.run_id}" and a["reason"] == "audited" for a in status["acknowledged_late_hours"])
     # durably in the catalog: a property of cdc.orders per hour
     properties = load_partfin_catalog(home).load_table("cdc.orders").properties
@@ -117,7 +118,7 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
     assert check.metadata["partitions_to_rerun"].value == [H1] and check.metadata["open_late_records"].value == 6
     assert list(check.metadata["acknowledged_partitions"].value) == [H2]
     status = _status(home)
-    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H2_ISO] and status["unacknowledged_late_hours"] == [H1_ISO]
+    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H2_ISO] and status["late_hours_needing_attention"] == {H1: 6}
     # a bad config of the job fails in one line
     bad = defs.resolve_job_def("acknowledge_late_orders").execute_in_process(
         instance=instance, raise_on_error=False,

@@ -10,6 +10,8 @@ real Dagster instance (its asset events recorded as the daemon records them).
 
 from __future__ import annotations
 
+import json
+import re
 import os
 import signal
 import subprocess
@@ -154,3 +156,38 @@ def test_late_records_acknowledged_before_the_sensor_sees_them_get_no_rerun_late
           f"amendments {[a['late_records'] for a in amendments]}")
     assert not quiet
     assert len(later) == 1 and [a["late_records"] for a in amendments] == [1]
+
+
+def test_status_and_the_late_data_check_name_the_same_hours_in_the_same_words(operator):
+    """Late records reach H1 after it was final: `partfin status` and the late_data check both name H1 as holding late
+    records neither re-run downstream nor acknowledged; once the amendment's downstream run succeeded, neither names it.
+    Before: status kept listing every re-run hour as "late records not acknowledged" while the check passed."""
+    from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
+
+    op = operator
+
+    def late_check():
+        run = op.defs.resolve_job_def("checks_orders").execute_in_process(instance=op.instance)
+        return {e.check_name: e for e in run.get_asset_check_evaluations()}["late_data"]
+
+    def status() -> tuple[dict, str]:
+        done = partfin(op.home, "status", "--json")
+        table = next(t for t in json.loads(done.stdout)["tables"] if t["name"] == "cdc.orders")
+        return table["late_hours_needing_attention"], partfin(op.home, "status").stdout
+
+    append_lines(op.path, late_lines(5000, 2, minute=30))
+    op.ingest()
+    op.upsert()
+    check = late_check()
+    attention, text = status()
+    assert not check.passed and check.metadata["partitions_to_rerun"].value == [H1_KEY] == list(attention) and attention[H1_KEY] == 2
+    assert NEEDS_ATTENTION in check.description and f"{NEEDS_ATTENTION} in hour(s) {H1_KEY} (2)" in text
+    print(check.description)
+    assert re.search(rf"{H1_KEY}: 2 record\(s\), the last \d+ (s|min( \d+ s)?) after the hour was final", check.description)  # how late
+
+    (rerun,) = [r for r in op.finalization_tick().run_requests if r.partition_key == H1_KEY]
+    op.activity(H1_KEY, tags=rerun.tags)  # the amendment's downstream run
+    check = late_check()
+    attention, text = status()
+    assert check.passed and f"no hour holds {NEEDS_ATTENTION}" in check.description
+    assert attention == {} and NEEDS_ATTENTION not in text

@@ -27,6 +27,7 @@ from dagster import AssetCheckKey, AssetCheckSeverity, AssetKey, AssetRecordsFil
 
 from partfin_assets.finalization.hours import hour_from_key, hour_key
 from partfin_assets.finalization.read_points import AMENDMENT_TAG
+from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.model.timeutil import US_PER_HOUR, to_us
 from partfin_assets.testing import dagster_processes
 
@@ -40,17 +41,18 @@ pytestmark = pytest.mark.timeout(BUDGET_SECONDS + 300)
 SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster.md lists them too)
     "1-asset-graph.png": "the asset graph upstream of activity_orders_hourly, nodes rendered (no \"Loading…\"): "
                          "cdc_orders -> base_orders -> finalized_orders -> activity_orders_hourly, each node named by layer and table",
-    "2-cdc-hour-totals.png": "cdc_orders, the hour that finalized live: the whole hour's totals as partition metadata, "
-                             "finalization_lag as a duration",
-    "3-cdc-checks.png": "cdc_orders checks on the latest materialization (late_data in WARN)",
-    "4-late-data-warn-history.png": "the late_data check's execution history: the WARN across sync runs",
-    "5-base-latest-event.png": "base_orders: an executable asset with its latest materialization",
+    "2-cdc-hour-totals.png": "cdc_orders, the hour that finalized live: its finality line on top (final since when, late data "
+                             "after), the whole hour's totals, arrival delay p50/p99/max and finalization_lag as durations",
+    "3-cdc-checks.png": "cdc_orders checks on the latest materialization (late_data, watermark_fresh 'catching up', ...)",
+    "4-late-data-warn-history.png": "the late_data check's execution history: the WARN naming the hours with \"late records "
+                                    "neither re-run downstream nor acknowledged\" and how long after the hour was final they came",
+    "5-base-hour-finality.png": "base_orders, the hour that finalized live: its partition's finality line (final since when, "
+                                "how long after the hour's end, whether late data reached it after)",
     "6-finalized-partitions.png": "finalized_orders: the finalized hours as materialized partitions",
-    "7-late-data-rerun.png": "activity_orders_hourly: the downstream hour re-run for late data (run_for, reason per event)",
+    "7-late-data-rerun.png": "activity_orders_hourly: the downstream hour re-run for late data: its finality line names the "
+                             "amendment it ran for and why; run_for, reason per event",
     "7b-late-data-rerun-run.png": "the re-run's run page, View tags and config: job activity_orders_job, partfin/run-for amendment, "
                                   "partfin/reason \"late data: N record(s) reached hour ... after it was final\"",
-    "8-cdc-links-report.png": "cdc_orders overview linking the finalization report",
-    "9-report.png": "the `partfin report` page",
     "10-cdc-automation.png": "cdc_orders overview, Automation details: sensor sync_orders_sensor",
     "11-base-automation.png": "base_orders overview, Automation details: sensor sync_orders_sensor",
     "12-finalized-recorded-by.png": "finalized_orders overview: recorded_by sensor finalize_orders_sensor (a runless asset: "
@@ -118,15 +120,32 @@ def late_rerun(instance):
     return runs[0] if runs else None
 
 
+REPORT = """{ assetOrError(assetKey: {path: ["cdc_orders"]}) { ... on Asset { assetObservations(limit: 200) {
+  metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
+
+
+def graphql(port: int, query: str) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["data"]
+
+
+def report_markdown(port: int) -> str | None:
+    """The newest finalization report of cdc_orders, as the webserver serves it over HTTP (markdown metadata)."""
+    for observation in graphql(port, REPORT)["assetOrError"]["assetObservations"]:
+        for entry in observation["metadataEntries"]:
+            if entry["label"] == "finalization_report":
+                return entry["mdStr"]
+    return None
+
+
 LINEAGE = """{ assetNodes { assetKey { path } dependencyKeys { path } } }"""
 
 
 def lineage_edges(port: int) -> set[tuple[str, str]]:
     """(upstream, downstream) asset keys as the running webserver's GraphQL API (the UI's source) reports them."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": LINEAGE}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        nodes = json.load(response)["data"]["assetNodes"]
+    nodes = graphql(port, LINEAGE)["assetNodes"]
     return {("/".join(d["path"]), "/".join(n["assetKey"]["path"])) for n in nodes for d in n["dependencyKeys"]}
 
 
@@ -152,20 +171,22 @@ def test_demo_in_chromium(tmp_path):
     shots = shots / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     shots.mkdir(parents=True)
     print(f"\nscreenshots: {shots}")
-    # the demo's source, a bit faster: 100 minutes at once, then an event hour every 90 wall seconds on a 40x
-    # event clock until it meets the wall clock, with a late tail below the policy's 0.1% (late records come
-    # 1.5+ wall minutes after their hour)
+    # the demo's source, faster: 5 h 40 min of history at once, then an event hour every 90 wall seconds on a 40x event
+    # clock until it meets the wall clock, with a late tail below the policy's 0.1% (late records come 1.5+ wall minutes
+    # after their hour). The history lets the default policy (late-budget:0.001) learn its delay within seconds, as
+    # the demo's 24 hours do: it learns from hours that ended 6 h before and hold 10,000 records (the first hour here);
+    # the partitions start 4 hours in, so only the newest hours run downstream at the start
     now = datetime.now(UTC)
-    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
-    event_at_start = start + timedelta(hours=1, minutes=40)
+    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=7)
+    event_at_start = start + timedelta(hours=5, minutes=40)
     source = (f"synthetic:rate=4,late_fraction=0.0005,key_space=1000000,start={start:%Y-%m-%dT%H:%M:%SZ},speed=40,"
               f"speed_since={now:%Y-%m-%dT%H:%M:%SZ},speed_event={event_at_start:%Y-%m-%dT%H:%M:%SZ}")
     home = tmp_path / "partfin"
     env = dagster_processes.dagster_env(
         home, tmp_path / "dagster",
         PARTFIN_SOURCE=source,
-        PARTFIN_PARTITIONS_START=f"{start:%Y-%m-%d-%H:00}",
-        PARTFIN_MAX_RECORDS="2500",
+        PARTFIN_PARTITIONS_START=f"{start + timedelta(hours=4):%Y-%m-%d-%H:00}",
+        PARTFIN_MAX_RECORDS="10000",
         PARTFIN_SYNC_INTERVAL="5",
         PARTFIN_FINALIZE_INTERVAL="3",
         PARTFIN_RERUN_INTERVAL="3",
@@ -186,9 +207,15 @@ def test_demo_in_chromium(tmp_path):
         elapsed = time.monotonic() - started
         print(f"live finalization of {live}, late WARN on {stayed} stayed, late re-run of {rerun}: {elapsed:.0f}s after start")
         assert elapsed < BUDGET_SECONDS  # the issue's "within five minutes" of starting the demo (300 s by default)
-        # a healthy catch-up never makes watermark_fresh WARN
-        fresh = check_history(instance, CDC, "watermark_fresh")
-        assert fresh and all(evaluation(record).passed for record in fresh), [evaluation(r).description for r in fresh if not evaluation(r).passed]
+        # a healthy catch-up: watermark_fresh passes, never ERRORs, and once it passed it never WARNs again. Before
+        # late-budget has learned its delay (the first sync runs of a new table, a race with the ledger's first
+        # rows) its 30-minute fallback, which the late tail holds back, may still WARN once or twice
+        fresh = [evaluation(record) for record in reversed(check_history(instance, CDC, "watermark_fresh"))]  # oldest first
+        shown = [(e.passed, str(e.severity), e.description) for e in fresh]
+        assert fresh and fresh[-1].passed, shown
+        assert all(e.passed or e.severity == AssetCheckSeverity.WARN for e in fresh), shown
+        first_pass = next(i for i, e in enumerate(fresh) if e.passed)
+        assert all(e.passed for e in fresh[first_pass:]), shown
 
         # the checks of cdc_orders ran in the run of its latest materialization (the UI: not "Not evaluated")
         latest = instance.fetch_materializations(AssetRecordsFilter(asset_key=CDC), limit=1).records[0]
@@ -204,7 +231,8 @@ def test_demo_in_chromium(tmp_path):
         expected = {hour_key(int(h.timestamp()) * 1_000_000): n for h, n in zip(totals["hour"].to_list(), totals["records"].to_list())}
         shown = instance.fetch_materializations(AssetRecordsFilter(asset_key=CDC, asset_partitions=[live]), limit=1).records[0]
         shown_meta = shown.event_log_entry.asset_materialization.metadata
-        assert shown_meta["records"].value == expected[live] > 2500  # the hour, not one checkpoint's share
+        checkpoints = dict(zip(expected, totals["checkpoints"].to_list()))
+        assert shown_meta["records"].value == expected[live] and checkpoints[live] >= 2  # the hour, not one checkpoint's share
         assert shown_meta["finalized"].value is True and shown_meta["finalization_lag_seconds"].value is not None
 
         base_url = f"http://127.0.0.1:{port}"
@@ -250,6 +278,7 @@ def test_demo_in_chromium(tmp_path):
             # 2: the live-finalized hour of cdc_orders shows the hour's totals
             detail = open_page(f"/assets/cdc_orders?view=partitions&partition={live}",
                                [live, "finalization_lag_seconds"], "2-cdc-hour-totals.png")
+            assert re.search(r"\nfinality\s+final since \S+Z \(.+ after the hour's end\); ", detail)  # final, when, late data after
             for name in ("records", "late_records", "event_time_p50", "event_time_p99", "finalized_at", "finalization_lag_seconds",
                          "arrival_delay_p50", "arrival_delay_p99", "arrival_delay_max", "late_share"):
                 assert name in detail, name
@@ -265,12 +294,12 @@ def test_demo_in_chromium(tmp_path):
             assert "Not evaluated" not in checks
             # 4: the late_data check's history: the WARN stayed over several sync runs
             page.get_by_text("Execution history").first.click()
-            page.get_by_text("the downstream has not run with yet", exact=False).first.wait_for(timeout=60_000)
+            page.get_by_text(NEEDS_ATTENTION, exact=False).first.wait_for(timeout=60_000)
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "4-late-data-warn-history.png"))
-            # 5: base_orders: an executable asset with its latest event and partitions
-            base = open_page("/assets/base_orders", ["Latest materialization", "finalization_lag_seconds"], "5-base-latest-event.png")
-            assert "External Asset" not in base and "Never materialized" not in base
+            # 5: base_orders: an executable asset; the live hour's partition says it is final, since when, late data after
+            base = open_page(f"/assets/base_orders?view=partitions&partition={live}", [live, "finality"], "5-base-hour-finality.png")
+            assert "External Asset" not in base and re.search(r"\nfinality\s+final since \S+Z \(.+ after the hour's end\); ", base)
             # 6: finalized_orders: the partitions that finalized, with status
             finalized = open_page("/assets/finalized_orders?view=partitions", ["Materialized ("], "6-finalized-partitions.png")
             assert re.search(r"Materialized \((?!0\))\d+\)", finalized)
@@ -280,6 +309,7 @@ def test_demo_in_chromium(tmp_path):
             events = re.search(r"historical events \((\d+)\)", rerun_page)
             assert events and int(events.group(1)) >= 2  # its first run, then the re-run for late data
             assert "amendment" in rerun_page and "late data: " in rerun_page  # the event says which and why
+            assert "ran for the hour's amendment: late data: " in rerun_page  # ... in the line the partition shows on top
             # 7b: the re-run's run page: the named job, which event of the hour and why
             page.goto(f"{base_url}/runs/{rerun_run.run_id}", wait_until="domcontentloaded")
             page.get_by_text("activity_orders_job").first.wait_for(timeout=60_000)
@@ -290,13 +320,11 @@ def test_demo_in_chromium(tmp_path):
             run_page = page.inner_text("body")
             assert "__ASSET_JOB" not in run_page and "late data: " in run_page and "amendment" in run_page
             page.keyboard.press("Escape")
-            # 8: the report page the cdc asset links to (written by a sync run), self-contained
-            report = home / "reports" / "orders.html"
-            wait(lambda: report.exists(), "the finalization report")
-            overview = open_page("/assets/cdc_orders", ["finalization_report"], "8-cdc-links-report.png")
-            assert str(report) in overview and "cdc_orders" in overview  # the page header names layer and table
-            page_text = open_page(report.as_uri(), ["Watermark over wall time", "Finalization lag per hour"], "9-report.png")
-            assert "watermark policy" in page_text and page.locator(".plotly-graph-div").count() == 1
+            # the finalization report in Dagster itself: markdown metadata of cdc_orders' latest report observation,
+            # fetched with a plain HTTP request (the webserver's GraphQL API)
+            report = wait(lambda: report_markdown(port), "the finalization report")
+            assert "### Watermark vs wall clock" in report and "| hour (UTC) | final | finalization lag | late records |" in report
+            assert re.search(r"\| \S+Z \| yes \| (\d+ h \d+ min|\d+ min( \d+ s)?|\d+ s) \| \d+ \|", report)  # lag as a duration
             # 10-13: each asset's overview names the sensor that drives it (Automation details links it; finalized: recorded_by)
             recorded_by = open_page("/assets/finalized_orders", ["recorded_by"], "12-finalized-recorded-by.png")
             assert "sensor finalize_orders_sensor" in recorded_by

@@ -48,6 +48,17 @@ class HourTruth:
             return None
         return round((self.finalized_at_us - (self.hour_us + US_PER_HOUR)) / US_PER_SECOND, 3)
 
+    @property
+    def finality(self) -> str:
+        """Whether the hour is final, since when, and whether late data reached it after, in one line."""
+        if not self.finalized:
+            return f"not final: the watermark has not passed {iso_z(self.hour_us + US_PER_HOUR)} yet"
+        since = (f" since {iso_z(self.finalized_at_us)} ({format_duration(self.finalization_lag_seconds)} after the hour's end)"
+                 if self.finalized_at_us is not None else "")
+        late = (f"{self.late_records} late record(s) reached it after it was final" if self.late_records
+                else "no late data reached it after")
+        return f"final{since}; {late}"
+
     def metadata(self) -> dict[str, Any]:
         """Plain values; numbers stay numbers so the asset page plots them across partitions."""
 
@@ -55,6 +66,7 @@ class HourTruth:
             return iso_z(us) if us is not None else None
 
         return {
+            "finality": self.finality,  # first: the one line the partition page shows on top
             "hour": iso_z(self.hour_us),
             "records": self.records,
             "late_records": self.late_records,
@@ -155,5 +167,6 @@ def checkpoint_facts(summary: Mapping[str, str], committed_at_us: int) -> dict[s
         "watermark": summary.get(K.WATERMARK),
         # commit clock minus the checkpoint's newest event time: how far commits trail the events
         "commit_latency_seconds": latency,
+        "commit_latency": format_duration(latency),
         "committed_at": iso_z(committed_at_us),
     }

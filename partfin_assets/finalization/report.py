@@ -26,7 +26,7 @@ from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.model.table_options import WATERMARK_POLICY
-from partfin_assets.model.timeutil import from_us, iso_z
+from partfin_assets.model.timeutil import format_duration, from_us, iso_z
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ def finalization_picture(catalog: Catalog, name: str) -> FinalizationPicture:
     return FinalizationPicture(name, WATERMARK_POLICY.text(cdc.properties), watermark, steps, hour_truths(ledger, hours, watermark))
 
 
-def _lags(picture: FinalizationPicture) -> list[float | None]:
-    return [h.finalization_lag_seconds for h in picture.hours]
+def _lags_hours(picture: FinalizationPicture) -> list[float | None]:
+    """Finalization lag per hour in hours (an axis people read: 6, not 21,600 s)."""
+    return [round(h.finalization_lag_seconds / 3600, 2) if h.finalization_lag_seconds is not None else None for h in picture.hours]
 
 
 def write_html(picture: FinalizationPicture, path: Path) -> Path:
@@ -80,7 +81,7 @@ def write_html(picture: FinalizationPicture, path: Path) -> Path:
 
     fig = make_subplots(
         rows=4, cols=1, vertical_spacing=0.07,
-        subplot_titles=("Watermark over wall time", "Finalization lag per hour (s): finalized_at - hour end",
+        subplot_titles=("Watermark over wall time", "Finalization lag per hour (h): finalized_at - hour end",
                         "Late records per hour", "Records per hour"),
     )
     if picture.steps:
@@ -89,7 +90,8 @@ def write_html(picture: FinalizationPicture, path: Path) -> Path:
         fig.add_trace(go.Scatter(x=[clock[0], clock[-1]], y=[clock[0], clock[-1]], mode="lines", name="wall clock (y = x)",
                                  line={"dash": "dot"}), row=1, col=1)
     times = picture.hour_times
-    fig.add_trace(go.Bar(x=times, y=_lags(picture), name="finalization lag (s)"), row=2, col=1)
+    fig.add_trace(go.Bar(x=times, y=_lags_hours(picture), name="finalization lag (h)",
+                         hovertext=[format_duration(h.finalization_lag_seconds) for h in picture.hours]), row=2, col=1)
     fig.add_trace(go.Bar(x=times, y=[h.late_records for h in picture.hours], name="late records"), row=3, col=1)
     fig.add_trace(go.Bar(x=times, y=[h.records for h in picture.hours], name="records"), row=4, col=1)
     fig.update_layout(height=1300, showlegend=True, margin={"t": 60})
@@ -109,6 +111,29 @@ def write_html(picture: FinalizationPicture, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+MARKDOWN_ROWS = 24  # hours and watermark steps a markdown report lists (the newest)
+
+
+def markdown_report(picture: FinalizationPicture) -> str:
+    """The report as markdown, for Dagster's metadata (the UI renders it: no file on the server's disk to open): the
+    facts, the watermark against the wall clock, and per hour its finalization lag, late records and records.
+    Durations as durations; the newest rows only."""
+    facts = picture.facts()
+    lines = [f"## Finalization of cdc.{picture.table}", "", "| | |", "|---|---|",
+             *(f"| {k} | {v} |" for k, v in facts.items()), "",
+             "### Watermark vs wall clock", "", "| commit clock (UTC) | watermark (UTC) | watermark trails the wall clock by |",
+             "|---|---|---|"]
+    steps = picture.steps[-MARKDOWN_ROWS:]
+    lines += [f"| {iso_z(clock)} | {iso_z(mark)} | {format_duration((clock - mark).total_seconds())} |" for clock, mark in steps]
+    lines += ["", "### Per hour: finalization lag, late records", "",
+              "| hour (UTC) | final | finalization lag | late records | late share | records |", "|---|---|---|---:|---:|---:|"]
+    for h in picture.hours[-MARKDOWN_ROWS:]:
+        share = f"{h.late_records / h.records:.2%}" if h.records else "-"
+        lag = format_duration(h.finalization_lag_seconds) or "-"
+        lines.append(f"| {iso_z(h.hour_us)} | {'yes' if h.finalized else 'no'} | {lag} | {h.late_records} | {share} | {h.records} |")
+    return "\n".join(lines) + "\n"
 
 
 def write_png(picture: FinalizationPicture, path: Path) -> Path:
@@ -132,7 +157,7 @@ def write_png(picture: FinalizationPicture, path: Path) -> Path:
     times = picture.hour_times
     width = 1 / 30  # days: a bar of two minutes per hour keeps hours apart
     for ax, values, title in (
-        (axes[1], [v if v is not None else 0 for v in _lags(picture)], "Finalization lag per hour (s)"),
+        (axes[1], [v if v is not None else 0 for v in _lags_hours(picture)], "Finalization lag per hour (h)"),
         (axes[2], [h.late_records for h in picture.hours], "Late records per hour"),
         (axes[3], [h.records for h in picture.hours], "Records per hour"),
     ):

@@ -8,10 +8,13 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchNamespaceError
 from pyiceberg.table import Table
 
-from partfin_assets.finalization.hours import finalized_through
+from partfin_assets.finalization.hours import finalized_through, hour_key
 from partfin_assets.finalization.late_acks import acknowledged_hours, acks_of
 from partfin_assets.finalization.late_data import late_data
+from partfin_assets.finalization.read_points import base_position
+from partfin_assets.finalization.table_checks import DownstreamRun, open_late_hours
 from partfin_assets.finalization.tags import finalized_tags
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import bucket_load
 from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
@@ -41,9 +44,10 @@ class TableStatus:
     # cdc tables: writers whose clock was found ahead of another writer's (iceberg/streams.py WriterClock.as_dict)
     clocks: list[dict] | None = None
     # cdc tables: hours holding late records whose every late record is acknowledged (finalization/late_acks.py),
-    # each {"hour", "late_records", "by", "at", "reason"}, and the other hours holding late records
+    # each {"hour", "late_records", "by", "at", "reason"}, and the hours that need attention: late records neither
+    # re-run downstream nor acknowledged (hour -> such records), the late_data check's `partitions_to_rerun`
     acknowledged_late_hours: list[dict] | None = None
-    unacknowledged_late_hours: list[str] | None = None
+    late_hours_needing_attention: dict[str, int] | None = None
     # base tables: bucket count, live bytes per bucket, and the command to grow it once buckets outgrow their target
     buckets: int | None = None
     bytes_per_bucket: int | None = None
@@ -72,7 +76,9 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
     source_snapshot = properties.get(K.PROP_SOURCE_SNAPSHOT_ID)
     is_cdc = identifier.startswith("cdc.")
     late = late_data(table.catalog, identifier) if is_cdc else {}
-    acknowledged = acknowledged_hours(late, acks_of(properties))
+    acks = acks_of(properties)
+    acknowledged = acknowledged_hours(late, acks)
+    attention = open_late_hours(late, downstream_read_points(table.catalog, identifier.split(".", 1)[1], sorted(late)), acks) if late else {}
     load = bucket_load(table) if not is_cdc else None
     grow = load.recommended_buckets if load is not None else None
     tags = finalized_tags(table) if not is_cdc else []
@@ -91,7 +97,7 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         streams=stream_status(table) if is_cdc else None,
         clocks=[c.as_dict() for _, c in sorted(writer_clocks(properties).items())] if is_cdc else None,
         acknowledged_late_hours=[a.as_dict() for _, a in sorted(acknowledged.items())] if is_cdc else None,
-        unacknowledged_late_hours=[iso_z(h) for h in sorted(late) if h not in acknowledged] if is_cdc else None,
+        late_hours_needing_attention={hour_key(h): n for h, n in sorted(attention.items())} if is_cdc else None,
         buckets=load.buckets if load is not None else None,
         bytes_per_bucket=load.bytes_per_bucket if load is not None else None,
         rebucket=f"partfin base rebucket --table {identifier.split('.', 1)[1]} --buckets {grow}" if grow else None,
@@ -100,6 +106,23 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
         newest_finalized_tag=tags[-1].name if tags else None,
         metadata_location=table.metadata_location,
     )
+
+
+def downstream_read_points(catalog: Catalog, name: str, hours: list[int]) -> dict[int, DownstreamRun]:
+    """hour -> what the downstream (re-)runs of the hour read, from Iceberg alone: the base snapshot of the hour's newest
+    finalization tag (finalization/tags.py), with the cdc sequence number it merged. The finalization sensor tags
+    each finalization and amendment and requests one downstream run for it, which reads that snapshot; the late_data
+    check asks Dagster for the run itself (it counts an amendment from when its run succeeded, seconds later)."""
+    base = load_table_if_exists(catalog, f"base.{name}")
+    if base is None:
+        return {}
+    newest = {t.hour_us: t for t in finalized_tags(base) if t.hour_us in set(hours)}  # sorted: the newest amendment last
+    out = {}
+    for hour, tag in newest.items():
+        position = base_position(catalog, base, tag.snapshot_id)
+        snapshot = base.metadata.snapshot_by_id(tag.snapshot_id)
+        out[hour] = DownstreamRun(position.cdc_sequence_number, snapshot.timestamp_ms * 1000 if snapshot else 0)
+    return out
 
 
 def stream_status(table: Table, now_us: int | None = None) -> list[dict]:

@@ -17,19 +17,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import polars as pl
 from pyiceberg.catalog import Catalog
+from pyiceberg.expressions import GreaterThanOrEqual
 
 from partfin_assets.finalization.hours import hour_key, lag_seconds
+from partfin_assets.finalization.hour_truth import finalization_times
 from partfin_assets.finalization.late_acks import LateAck, acknowledged_hours, acks_of, unacknowledged
 from partfin_assets.finalization.late_data import LateHour, late_after_run, late_data, watermark_regressions
 from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.iceberg.ledger import hour_totals, read_ledger
 from partfin_assets.iceberg.history import lineage, recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
-from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
+# the one phrase for the hours that need attention: the late_data check, `partfin status` and the UI say it alike
+NEEDS_ATTENTION = "late records neither re-run downstream nor acknowledged"
 # how many of the newest snapshots watermark_fresh searches for the writer's last two checkpoints
 CHECKPOINT_LOOKBACK = 64
 WARN, ERROR = "WARN", "ERROR"
@@ -177,16 +183,43 @@ def late_data_outcome(
         "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
     }
     if not open_hours:
-        return CheckOutcome(True, f"{total} late record(s) in {len(late)} hour partition(s), every one re-run since or "
-                            f"acknowledged ({len(acknowledged)} acknowledged)",
+        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s), "
+                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)",
                             metadata=metadata)
+    listed = sorted(open_hours)[-MAX_LISTED:]
+    lateness = late_lateness(catalog, name, {h: late[h] for h in listed})
+    metadata["lateness_of_open_hours"] = {hour_key(h): lateness[h] for h in listed if h in lateness}
     return CheckOutcome(
         passed=False,
         severity=WARN,
-        description=f"{sum(open_hours.values())} late record(s) in {len(open_hours)} hour partition(s) the downstream has not run "
-        f"with yet: {', '.join(metadata['partitions_to_rerun'])} ({total} late record(s) in {len(late)} partition(s) in all)",
+        description=f"{len(open_hours)} hour partition(s) hold {NEEDS_ATTENTION}: "
+        + "; ".join(f"{hour_key(h)}: {open_hours[h]} record(s)" + (f", the last {lateness[h]['after_final']} after the hour "
+                                                                    "was final" if h in lateness else "") for h in listed)
+        + f" ({total} late record(s) in {len(late)} partition(s) in all)",
         metadata=metadata,
     )
+
+
+def late_lateness(catalog: Catalog, name: str, late: Mapping[int, LateHour]) -> dict[int, dict[str, str]]:
+    """hour -> how late its late records were, as durations: `after_final`, how long after the hour became final (the
+    commit clock of the first checkpoint whose watermark passed its end) the newest late commit came; and the hour's
+    arrival delay (arrival - event time, the ledger's lateness digests) p50 / p99 / max when recorded."""
+    if not late:
+        return {}
+    ledger = read_ledger(catalog, f"cdc.{name}", row_filter=GreaterThanOrEqual("hour", from_us(min(late)).isoformat()))
+    final_at = finalization_times(ledger, list(late))
+    totals = hour_totals(ledger.filter(pl.col("hour").dt.epoch("us").is_in(list(late))))
+    delays = {row["hour"]: row for row in totals.with_columns(pl.col("hour").dt.epoch("us")).iter_rows(named=True)}
+    out = {}
+    for hour, entry in late.items():
+        if hour not in final_at:
+            continue
+        newest = max(c.committed_at_us for c in entry.commits)
+        out[hour] = {"after_final": format_duration(max(0, newest - final_at[hour]) / US_PER_SECOND)}
+        row = delays.get(hour)
+        if row is not None and row["arrival_delay_max_s"] is not None:
+            out[hour].update({f"arrival_delay_{q}": format_duration(row[f"arrival_delay_{q}_s"]) for q in ("p50", "p99", "max")})
+    return out
 
 
 def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]) -> CheckOutcome:
@@ -244,9 +277,10 @@ def base_lag(catalog: Catalog, name: str, limits: CheckThresholds) -> CheckOutco
     return CheckOutcome(
         passed=lag <= limits.base_max_lag_seconds,
         severity=WARN,
-        description=f"base lags cdc by {lag:.0f}s (bound {limits.base_max_lag_seconds}s)",
+        description=f"base lags cdc by {format_duration(lag)} (bound {format_duration(limits.base_max_lag_seconds)})",
         metadata={"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag_seconds": float(lag),
-                  "bound_seconds": limits.base_max_lag_seconds},
+                  "lag": format_duration(lag), "bound_seconds": limits.base_max_lag_seconds,
+                  "bound": format_duration(limits.base_max_lag_seconds)},
     )
 
 

@@ -23,6 +23,10 @@ LATE_BUDGET = "late-budget"
 BUDGET_FALLBACK_WINDOW = CommitWindow(span_us=30 * 60 * US_PER_SECOND)
 LEARN_HISTORY_US = 7 * 24 * US_PER_HOUR  # lateness is learned from at most this long before LEARN_MATURITY
 LEARN_REFRESH_US = 15 * 60 * US_PER_SECOND  # the learned delay is recomputed from the ledger this often
+# ... and this often while nothing is learned yet: a new table catching up on a backlog has mature hours in its ledger
+# within minutes, and waiting 15 minutes on the fallback (which a late tail holds back) delays every hour. A table too
+# small to ever learn pays one read of its (small) ledger per commit at most, and its commits are far apart
+LEARN_RETRY_US = 10 * US_PER_SECOND
 LEARN_STEP_S = 60  # the delay is learned on a one-minute grid
 LEARN_MAX_DELAY_S = 48 * 3600
 LEARN_COLUMNS = ("hour", "records", "commit_time", "lateness_digest")
@@ -44,7 +48,8 @@ class LearnedDelay:
         return cls(None if delay is None else int(round(delay * US_PER_SECOND)), int(entry["records"]), int(entry["learned-at-us"]))
 
     def stale(self, clock_us: int) -> bool:
-        return not 0 <= clock_us - self.learned_at_us < LEARN_REFRESH_US
+        refresh = LEARN_REFRESH_US if self.delay_us is not None else LEARN_RETRY_US
+        return not 0 <= clock_us - self.learned_at_us < refresh
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,11 @@ def sync_check_evaluations(table: PartfinTable, catalog: Catalog, instance: Dags
 
 
 CDC_CHECK_DESCRIPTIONS = {
-    "watermark_fresh": "partfin.watermark is set on cdc.{name} and trails now by at most {warn}s (WARN) / {error}s (ERROR).",
+    "watermark_fresh": "partfin.watermark is set on cdc.{name} and trails now by at most {warn} (WARN) / {error} (ERROR), or its writer is catching up on a backlog.",
     "watermark_monotonic": "The watermark recorded by every retained snapshot of cdc.{name} never decreases, and the table "
     "property is not behind the newest one.",
     "late_data": "Late records (below the watermark in force) per hour partition of cdc.{name}, from its late-data ledger: WARN "
-    "until each affected hour's downstream partition has run again with them (the evidence never expires).",
+    "while an hour holds late records neither re-run downstream nor acknowledged (the evidence never expires); says how late they came.",
     "rejected_input": "Source lines or changes cdc.{name}'s writer could not read (cdc.{name}__rejected: raw line and reason); WARN.",
     "writer_clocks": "A writer of cdc.{name} whose clock was found ahead of another writer's by more than the table's "
     "tolerance (its commit clock beyond the clock of a later commit); WARN until a later commit finds them agreeing.",
@@ -103,7 +103,7 @@ CDC_CHECK_DESCRIPTIONS = {
 BASE_CHECK_DESCRIPTIONS = {
     "watermark_matches_merged_cdc_snapshot": "base.{name}'s watermark equals the watermark of the cdc.{name} snapshot it merged "
     "(partfin.source-snapshot-id).",
-    "watermark_lag_vs_cdc": "base.{name}'s watermark lags cdc.{name}'s by at most {base_lag}s.",
+    "watermark_lag_vs_cdc": "base.{name}'s watermark lags cdc.{name}'s by at most {base_lag}.",
     "quarantined_changes": "CDC changes the upsert could not decode into base.{name} (base.{name}__rejected: key, source position, "
     "column, reason); the rest of the table merges on. WARN.",
 }
@@ -113,7 +113,8 @@ def _layer_check(table: PartfinTable, layer: str, check: str, description: str):
     key = table.cdc_key if layer == "cdc" else table.base_key
 
     @asset_check(asset=key, name=check, description=description.format(
-        name=table.name, warn=table.lag_warn_seconds, error=table.lag_error_seconds, base_lag=table.base_max_lag_seconds))
+        name=table.name, warn=format_duration(table.lag_warn_seconds), error=format_duration(table.lag_error_seconds),
+        base_lag=format_duration(table.base_max_lag_seconds)))
     def layer_check(context, catalog: IcebergCatalogResource) -> AssetCheckResult:
         return _result(table_check_outcomes(table, catalog.load(), context.instance, layer)[check])
 

@@ -111,9 +111,14 @@ def build_activity_asset(table: PartfinTable):
 
         live = int(buckets["live"].sum()) if buckets.height else 0
         deleted = int(buckets["deleted"].sum()) if buckets.height else 0
+        run_for = context.run.tags.get(RUN_FOR_TAG, "a run by hand")
+        reason = context.run.tags.get(REASON_TAG, "launched by hand")
         return MaterializeResult(
             metadata=
                 {
+                    # first: what the partition page shows on top, the hour's finality and which event this run is for
+                    "finality": (f"final (base watermark {iso_z(watermark)}); ran for the hour's {run_for}: {reason}"
+                                 if is_finalized(hour, watermark) else f"not final: forced run ({reason})"),
                     "hour": iso_z(hour),
                     "rows": frame.height,
                     "live_rows": live,
@@ -124,8 +129,8 @@ def build_activity_asset(table: PartfinTable):
                     "base_snapshot_id": point.snapshot_id,
                     "base_snapshot_origin": point.origin,
                     # which event of the hour this run is for, and why (the sensor's run tags; a run by hand has none)
-                    "run_for": context.run.tags.get(RUN_FOR_TAG, "a run by hand"),
-                    "reason": context.run.tags.get(REASON_TAG, "launched by hand"),
+                    "run_for": run_for,
+                    "reason": reason,
                     "cdc_snapshot_id": position.cdc_snapshot_id,
                     "cdc_sequence_number": position.cdc_sequence_number,
                     "path": str(path),

@@ -49,8 +49,14 @@ from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, 
 from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_by_hour_of
 from partfin_assets.finalization.partition_metadata import checkpoint_hours
-from partfin_assets.finalization.report import report_dir, report_is_stale, write_report
-from partfin_assets.iceberg.catalog import CatalogConfig
+from partfin_assets.finalization.report import (
+    finalization_picture,
+    markdown_report,
+    report_dir,
+    report_is_stale,
+    write_html,
+    write_png,
+)
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -60,7 +66,7 @@ from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.errors import first_line
 from partfin_assets.model.table_options import WATERMARK_POLICY
-from partfin_assets.model.timeutil import floor_hour_us, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.model.timeutil import floor_hour_us, format_duration, iso_z, now_utc, parse_iso, to_us
 
 REPORT_REFRESH_SECONDS = 60  # `partfin report`'s page, refreshed by sync runs at most this often (plotting costs a second or two)
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
@@ -81,8 +87,9 @@ def build_platform_assets(table: PartfinTable):
                 table.cdc_key, skippable=True, group_name="platform", owners=[table.platform_owner], kinds={"iceberg"},
                 tags={"partfin/table": name},
                 metadata={"iceberg_table": f"cdc.{name}",
-                          # `partfin report --table` page (refreshed by the sync runs): watermark vs wall time, lag and late data per hour
-                          "finalization_report": MetadataValue.path(str(report_dir(CatalogConfig.from_env().home) / f"{name}.html"))},
+                          # the report itself is the latest observation's `finalization_report` (markdown, refreshed by sync runs)
+                          "finalization_report": "the latest observation's finalization_report: watermark vs wall clock, "
+                                                 "finalization lag and late records per hour"},
                 description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). Written by the "
                 f"`sync_{name}` job (every run reports each hour its commits touched or finalized, with the hour's totals). "
                 f"Materializing a partition by hand (or a backfill) replays that hour from the history the writer read, up "
@@ -260,7 +267,8 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
             metadata={
                 "watermark": _iso(watermark),
                 "watermark_policy": policy,
-                "watermark_lag_seconds": lag_seconds(watermark, now_us),
+                "watermark_lag_seconds": lag_seconds(watermark, now_us),  # a number: Dagster plots it across observations
+                "watermark_lag": format_duration(lag_seconds(watermark, now_us)),
                 "checkpoints_this_run": checkpoints,
                 "late_records_total": sum(h.records for h in late.values()),
                 "late_partitions": len(late),
@@ -275,12 +283,15 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
 
 def refresh_report(context: AssetExecutionContext, table: PartfinTable, iceberg, catalog: IcebergCatalogResource) -> None:
     """The finalization report (`partfin report`), at most once a minute; last in the run, so the picture never
-    delays the base commit, hence finalization."""
+    delays the base commit, hence finalization. Dagster shows it as markdown on cdc_<table> (its tables render in any
+    browser that reaches the UI); the HTML page and PNG stay on the server for `partfin report`'s readers."""
     report = report_dir(catalog.config().home) / f"{table.name}.html"
     if report_is_stale(report, REPORT_REFRESH_SECONDS):
-        page, picture = write_report(iceberg, table.name, report.parent)
+        picture = finalization_picture(iceberg, table.name)
+        write_html(picture, report)
+        write_png(picture, report.with_suffix(".png"))
         context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
-            "finalization_report": MetadataValue.path(str(page)), "finalization_report_png": MetadataValue.path(str(picture))}))
+            "finalization_report": MetadataValue.md(markdown_report(picture))}))
 
 
 def build_sync_job(table: PartfinTable):
