@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from dagster import RunConfig
 
 from partfin_assets.finalization.hours import hour_from_key

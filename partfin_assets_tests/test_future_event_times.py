@@ -9,7 +9,7 @@ and keeps finalizing the valid hours.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
 from dagster import DagsterInstance, RunsFilter

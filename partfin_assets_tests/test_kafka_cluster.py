@@ -17,7 +17,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter, defaultdict
 from pathlib import Path

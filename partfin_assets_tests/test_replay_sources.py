@@ -11,7 +11,6 @@ import json
 import subprocess
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import psycopg

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pyarrow as pa
-import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.reserved_names import RESERVED_COLUMN_NAMES, is_reserved, reserved_names_in

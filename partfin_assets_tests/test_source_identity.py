@@ -9,7 +9,6 @@ import sys
 import time
 
 import pyarrow.compute as pc
-import pytest
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets_tests.scenario_helpers import append_lines, hour_of_changes, partfin

@@ -32,6 +32,7 @@ from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization import table_checks as tc
 from partfin_assets.finalization.hours import hour_key
 from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.model.timeutil import format_duration
 
 
 def _limits(table: PartfinTable) -> tc.CheckThresholds:

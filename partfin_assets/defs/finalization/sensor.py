@@ -33,7 +33,6 @@ daemon down nothing is lost: the next tick walks every hour that finalized meanw
 
 
 from dagster import (
-    AssetKey,
     AssetMaterialization,
     AssetSpec,
     RunRequest,
