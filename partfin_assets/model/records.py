@@ -160,7 +160,7 @@ class ReplayableSource(CdcSource, Protocol):
 
 
 # Optional capabilities: a source declares each one it has by naming the protocol among its bases
-# (`class PostgresSource(CdcSource, AcknowledgesCommits, HoldsConnections, DeclaresTable)`); the writer,
+# (`class PostgresSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversColumns)`); the writer,
 # the ingest session and the fan-out ask `isinstance(source, <capability>)`, never for a method by name.
 
 
