@@ -21,7 +21,7 @@ from rich.live import Live
 
 from partfin_assets.finalization.hours import hour_key, parse_hour
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
-from partfin_assets.finalization.report import report_dir, write_report
+from partfin_assets.finalization.report import finalization_picture, report_dir, write_report
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
@@ -470,7 +470,7 @@ def _late_data(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     config = CatalogConfig.from_env()
     out = Path(args.out) if args.out else report_dir(config.home)
-    page, picture = write_report(config.load(create=False), args.table, out)
+    page, picture = write_report(finalization_picture(config.load(create=False), args.table), out)
     print(f"cdc.{args.table}: {page} (self-contained HTML) and {picture} (PNG)")
     return 0
 

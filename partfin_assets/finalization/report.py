@@ -170,10 +170,9 @@ def write_png(picture: FinalizationPicture, path: Path) -> Path:
     return path
 
 
-def write_report(catalog: Catalog, name: str, out_dir: Path) -> tuple[Path, Path]:
-    """Write <out_dir>/<name>.html and <out_dir>/<name>.png; returns their paths."""
-    picture = finalization_picture(catalog, name)
-    return write_html(picture, out_dir / f"{name}.html"), write_png(picture, out_dir / f"{name}.png")
+def write_report(picture: FinalizationPicture, out_dir: Path) -> tuple[Path, Path]:
+    """Write <out_dir>/<table>.html and <out_dir>/<table>.png of a picture (finalization_picture); returns their paths."""
+    return write_html(picture, out_dir / f"{picture.table}.html"), write_png(picture, out_dir / f"{picture.table}.png")
 
 
 def report_dir(home: Path) -> Path:

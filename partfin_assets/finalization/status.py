@@ -116,7 +116,8 @@ def downstream_read_points(catalog: Catalog, name: str, hours: list[int]) -> dic
     base = load_table_if_exists(catalog, f"base.{name}")
     if base is None:
         return {}
-    newest = {t.hour_us: t for t in finalized_tags(base) if t.hour_us in set(hours)}  # sorted: the newest amendment last
+    wanted = set(hours)
+    newest = {t.hour_us: t for t in finalized_tags(base) if t.hour_us in wanted}  # sorted: the newest amendment last
     out = {}
     for hour, tag in newest.items():
         position = base_position(catalog, base, tag.snapshot_id)

@@ -49,14 +49,7 @@ from partfin_assets.finalization.hour_truth import HourTruth, checkpoint_facts, 
 from partfin_assets.finalization.hours import hour_from_key, hour_key, lag_seconds
 from partfin_assets.finalization.late_data import late_by_hour_of
 from partfin_assets.finalization.partition_metadata import checkpoint_hours
-from partfin_assets.finalization.report import (
-    finalization_picture,
-    markdown_report,
-    report_dir,
-    report_is_stale,
-    write_html,
-    write_png,
-)
+from partfin_assets.finalization.report import finalization_picture, markdown_report, report_dir, report_is_stale, write_report
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.tables import ensure_base_table
@@ -288,8 +281,7 @@ def refresh_report(context: AssetExecutionContext, table: PartfinTable, iceberg,
     report = report_dir(catalog.config().home) / f"{table.name}.html"
     if report_is_stale(report, REPORT_REFRESH_SECONDS):
         picture = finalization_picture(iceberg, table.name)
-        write_html(picture, report)
-        write_png(picture, report.with_suffix(".png"))
+        write_report(picture, report.parent)
         context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
             "finalization_report": MetadataValue.md(markdown_report(picture))}))
 
