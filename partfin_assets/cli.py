@@ -284,7 +284,7 @@ class _Progress:
 
     def __init__(self, table: str) -> None:
         self.table = table
-        self.checkpoints = self.records = self.late = self.rejected = 0
+        self.checkpoints = self.records = self.late = self.rejected = self.retries = 0
         self.live = None
         if sys.stderr.isatty():
             self.live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
@@ -294,11 +294,16 @@ class _Progress:
         self.checkpoints += 1
         self.records += result.records
         self.rejected += result.rejected
+        self.retries += result.attempts - 1
         self.late += int(result.summary.get(K.LATE_RECORDS, 0))
         watermark = result.summary.get(K.WATERMARK, "-")
         line = (
             f"{self.table}: checkpoint {result.checkpoint_id}  records {self.records:,}  late {self.late:,}  rejected {self.rejected:,}  watermark {watermark}"
         )
+        if K.STREAM in result.summary:  # checkpoint ids count per partition
+            line += f"  partition {result.summary[K.STREAM]}"
+        if self.retries:  # commits that lost a race to other processes' commits and were retried
+            line += f"  commit retries {self.retries}"
         if self.live is not None:
             self.live.update(line)
         else:

@@ -114,7 +114,7 @@ def test_a_twin_that_lost_the_position_cannot_commit_and_goes_on_from_the_winner
     first.write_checkpoint(change_batch(minutes(0, 100), offset="o1"))
     files_before = data_files_on_disk(tmp_path / "home")
     # the twin's batch started at the position before the first writer's commit: refused in the commit
-    with pytest.raises(WriterFenced, match="another process committed checkpoint 1 as writer 'w'") as fenced:
+    with pytest.raises(WriterFenced, match="another process committed checkpoint 1 of stream 'w'") as fenced:
         twin.write_checkpoint(change_batch(minutes(0, 150), offset="o1.5"))
     assert fenced.value.position == CommittedPosition(1, "o1") and twin.position == CommittedPosition(1, "o1")
     table = catalog.load_table("cdc.orders")
@@ -176,7 +176,7 @@ def test_retention_bounds_history_but_keeps_policy_window_and_resume_position(ca
     lists = {str(p) for p in (tmp_path / "home" / "warehouse" / "cdc" / "orders").rglob("snap-*.avro")}
     assert lists == {s.manifest_list.removeprefix("file://") for s in table.metadata.snapshots}
     assert last_writer_position(table.metadata, "quiet-writer").source_offset == "quiet-1"
-    assert CdcWriter(catalog, ORDERS).resume_offset == "o59"
+    assert CdcWriter(catalog, ORDERS).position.source_offset == "o59"
     assert table.scan().to_arrow().num_rows == 60 * 20 + 10
     # the policy still sees its 3 commits: min of checkpoints 57..59 (minutes 1710..)
     assert table.properties[K.PROP_WATERMARK] == result_hour(1710)
@@ -199,7 +199,7 @@ def test_rejected_records_land_once_with_their_reason(catalog):
     # a twin that read the position before that commit re-reads the same lines: its rejects are
     # found there already (by source position), its records are refused in the commit
     twin = CdcWriter(catalog, ORDERS, writer_id="w")
-    twin.last_checkpoint_id, twin.resume_offset = 0, None
+    twin.expect_positions({"w": CommittedPosition(0, None)})
     with pytest.raises(WriterFenced):
         twin.write_checkpoint(batch)
     # cut differently (one more reject), the next batch commits only what is new

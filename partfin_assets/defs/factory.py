@@ -12,6 +12,7 @@ from partfin_assets.defs.finalization.sensor import build_finalization_sensor, f
 from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_maintenance_job, build_privacy_job
 from partfin_assets.defs.platform.compaction_fanout import build_compaction_fanout_job
 from partfin_assets.defs.platform.ingest_fanout import build_ingest_fanout_job
+from partfin_assets.defs.platform.ingest_members import build_ingest_members_job
 from partfin_assets.defs.platform.sync import build_platform_assets, build_sync_job, build_sync_sensor
 from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
 from partfin_assets.defs.tables import PartfinTable
@@ -28,7 +29,7 @@ def table_definitions(table: PartfinTable) -> Definitions:
         assets=[build_platform_assets(table), finalized_spec(table), activity],
         asset_checks=checks,
         jobs=[
-            sync_job, build_ingest_fanout_job(table), build_upsert_job(table), activity_job, checks_job, compaction_job,
+            sync_job, build_ingest_fanout_job(table), build_ingest_members_job(table), build_upsert_job(table), activity_job, checks_job, compaction_job,
             build_compaction_fanout_job(table), build_privacy_job(table), maintenance_job, build_acknowledge_job(table),
             measurement_job,
         ],

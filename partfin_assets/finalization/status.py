@@ -17,7 +17,7 @@ from partfin_assets.finalization.tags import finalized_tags
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import lineage, summary_of, total_records, watermark_of
 from partfin_assets.iceberg.tables import bucket_load
-from partfin_assets.iceberg.streams import idle_timeout_us, streams_of, writer_clocks, writer_position
+from partfin_assets.iceberg.streams import idle_timeout_us, stream_position, streams_of, writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import BrokenTable
@@ -138,14 +138,14 @@ def stream_status(table: Table, now_us: int | None = None) -> list[dict]:
     rows = []
     for stream_id, stream in sorted(streams_of(table.properties).items()):
         state = "retired" if stream.retired else "idle" if stream.idle(None, now_us, timeout) else "active"
-        position = writer_position(table.metadata, stream.writer_id) if stream_id == stream.writer_id else None
+        position = stream_position(table.metadata, stream.writer_id, stream_id)
         rows.append({
             "stream": stream_id,
             "writer": stream.writer_id,
             "state": state,
             "progress": iso_z(stream.progress_us) if stream.progress_us is not None else None,
             "seen": iso_z(stream.seen_us),
-            "checkpoint": position.checkpoint_id if position is not None else None,
+            "checkpoint": position.checkpoint_id or None,
         })
     return rows
 

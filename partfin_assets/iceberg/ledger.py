@@ -9,11 +9,15 @@ dict layout) of event time and of lateness (arrival - event time, seconds; arriv
 record's `arrival_time`, else the commit's clock). A checkpoint without records (a heartbeat,
 or only rejected lines) is one row with hour null and 0 records.
 
-Exactly once per checkpoint: checkpoint ids count up per writer (a Kafka writer's checkpoints
-belong to its partitions' streams, column `stream`; column `writer_id` is the writer). The
-ledger's table property `partfin.ledger.<writer id>` holds the last checkpoint id recorded for
-the writer, and moves in the same commit as the rows (a compare-and-set, like the writer's
-position); rows at or below it are never appended again.
+Exactly once per checkpoint: checkpoint ids count up per progress stream (column `stream`: a
+Kafka partition's, else the writer's own; column `writer_id` is the writer). The ledger's table
+property `partfin.ledger.<stream id>` holds the last checkpoint id recorded for the stream, and
+moves in the same commit as the rows (a compare-and-set, like the stream's position); rows at or
+below it are never appended again. (Before per-partition positions a Kafka writer's checkpoint
+ids counted up per writer, recorded under `partfin.ledger.<writer id>`: that entry still bounds
+its partition streams, whose ids go on above it.) Several processes may commit one stream's
+checkpoints in turn (a partition moving between the members of a consumer group): a process whose
+rows do not follow the recorded id leaves them to `reconcile`, which reads them from the history.
 The writer records its checkpoints after each commit (a few at a time, see LedgerAppender); a
 crash in between is repaired by `reconcile`, which rebuilds the missing rows from the retained
 CDC snapshots (their summaries and the data files they added) and runs when a writer starts,
@@ -169,21 +173,26 @@ def _table(rows: list[dict]) -> pa.Table:
 
 
 def recorded_checkpoints(properties: Mapping[str, str]) -> dict[str, int]:
-    """writer id -> the last checkpoint id the ledger holds for it."""
+    """stream id (an older Kafka table: also writer id) -> the last checkpoint id the ledger holds for it."""
     prefix = K.PROP_LEDGER_PREFIX
     return {k[len(prefix):]: int(v) for k, v in properties.items() if k.startswith(prefix)}
+
+
+def _recorded_up_to(recorded: Mapping[str, int], stream: str, writer_id: str) -> int:
+    """The last checkpoint id of `stream` the ledger holds (its writer's entry from before per-partition ids bounds it)."""
+    return max(recorded.get(stream, 0), recorded.get(writer_id, 0))
 
 
 def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contiguous: bool = True) -> set[str]:
     """Append the rows of checkpoints the ledger does not hold yet, in one commit; returns the streams left out.
 
-    With `contiguous`, a writer whose rows do not begin right after its recorded checkpoint (an
-    earlier one is missing: a crashed or fenced process committed it) is left out; `reconcile`
-    fills the gap from the CDC history. Returns the writers left out.
+    With `contiguous`, a stream whose rows do not begin right after its recorded checkpoint (an
+    earlier one is missing: a crashed process, or another member of a consumer group, committed it)
+    is left out; `reconcile` fills the gap from the CDC history.
     """
     if rows.num_rows == 0:
         return set()
-    frame = pl.from_arrow(rows.select(["writer_id", "checkpoint_id"]))
+    frame = pl.from_arrow(rows.select(["stream", "writer_id", "checkpoint_id"]))
     assert isinstance(frame, pl.DataFrame)
     left_out: set[str] = set()
     attempt = AttemptFiles()  # an attempt's file(s): removed if that attempt does not land
@@ -193,22 +202,22 @@ def record_rows(catalog: Catalog, cdc_identifier: str, rows: pa.Table, *, contig
         recorded = recorded_checkpoints(table.properties)
         keep = np.zeros(rows.num_rows, dtype=bool)
         last: dict[str, int] = {}
-        for (writer,), part in frame.with_row_index().group_by(["writer_id"]):
-            done = recorded.get(writer, 0)
+        for (stream, writer), part in frame.with_row_index().group_by(["stream", "writer_id"]):
+            done = _recorded_up_to(recorded, stream, writer)
             new = part.filter(pl.col("checkpoint_id") > done)
             if new.is_empty():
                 continue
             if contiguous and done and new["checkpoint_id"].min() != done + 1:
-                left_out.add(writer)
+                left_out.add(stream)
                 continue
             keep[new["index"].to_numpy()] = True
-            last[writer] = int(new["checkpoint_id"].max())
+            last[stream] = int(new["checkpoint_id"].max())
         if not last:
             return None
         summary = snapshot_summary_with_commit_id({K.LEDGER_CHECKPOINTS: compact_json(last)}, commit_id, JobKind.INTO)
         new = rows.filter(pa.array(keep))
         tx = new_transaction(table)
-        tx.set_properties({K.PROP_LEDGER_PREFIX + writer: str(n) for writer, n in last.items()})
+        tx.set_properties({K.PROP_LEDGER_PREFIX + stream: str(n) for stream, n in last.items()})
         current = table.current_snapshot()
         files = int(summary_of(current).get("total-data-files", "0")) if current is not None else 0
         small = [] if files < LEDGER_MAX_SMALL_FILES else [
@@ -287,7 +296,7 @@ class LedgerAppender:
         left_out = record_rows(self.catalog, self.cdc_identifier, rows)
         self._pending.clear()
         self._since = None
-        if left_out:  # another process committed checkpoints of the writer in between: read them from the history
+        if left_out:  # another process committed checkpoints of a stream in between: read them from the history
             reconcile(self.catalog, self.catalog.load_table(self.cdc_identifier))
 
 
@@ -296,15 +305,17 @@ class LedgerAppender:
 
 def ledger_entry(snapshot: Snapshot) -> tuple[str, int] | None:
     """(writer id, checkpoint id) of a cdc snapshot the ledger records: a writer's checkpoint or a replay; else None."""
-    return _stream_checkpoint(snapshot, summary_of(snapshot))
+    found = _stream_checkpoint(snapshot, summary_of(snapshot))
+    return (found[0], found[2]) if found is not None else None
 
 
-def _stream_checkpoint(snapshot: Snapshot, summary: Mapping[str, str]) -> tuple[str, int] | None:
+def _stream_checkpoint(snapshot: Snapshot, summary: Mapping[str, str]) -> tuple[str, str, int] | None:
+    """(writer id, stream id, checkpoint id) of a snapshot the ledger records, else None."""
     kind = summary.get(K.JOB_KIND)
     if kind == JobKind.OVERWRITE and K.REPLAY_HOUR in summary:
-        return REPLAY_STREAM, int(snapshot.sequence_number or 0)
+        return REPLAY_STREAM, REPLAY_STREAM, int(snapshot.sequence_number or 0)
     if K.WRITER_ID in summary and K.CHECKPOINT_ID in summary and kind in (None, JobKind.INTO):
-        return summary[K.WRITER_ID], int(summary[K.CHECKPOINT_ID])
+        return summary[K.WRITER_ID], commit_stream(summary) or summary[K.WRITER_ID], int(summary[K.CHECKPOINT_ID])
     return None
 
 
@@ -318,16 +329,16 @@ def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = N
     identifier = dotted_identifier(cdc)
     ledger = ensure_ledger_table(catalog, identifier)
     recorded = recorded_checkpoints(ledger.properties)
-    missing: list[tuple[str, int, Snapshot]] = []  # (writer id, checkpoint id, its snapshot)
+    missing: list[tuple[str, str, int, Snapshot]] = []  # (writer id, stream id, checkpoint id, its snapshot)
     for snapshot in lineage(cdc.metadata) if snapshots is None else snapshots:
         summary = summary_of(snapshot)
         found = _stream_checkpoint(snapshot, summary)
-        if found is not None and found[1] > recorded.get(found[0], 0):
+        if found is not None and found[2] > _recorded_up_to(recorded, found[1], found[0]):
             missing.append((*found, snapshot))
     if not missing:
         return 0
-    missing.sort(key=lambda m: (m[0], m[1]))
-    rows = pa.concat_tables([_rows_from_history(cdc, writer, checkpoint_id, snapshot) for writer, checkpoint_id, snapshot in missing])
+    missing.sort(key=lambda m: (m[1], m[2]))
+    rows = pa.concat_tables([_rows_from_history(cdc, writer, checkpoint_id, snapshot) for writer, _, checkpoint_id, snapshot in missing])
     record_rows(catalog, identifier, rows, contiguous=False)
     log.info("%s: ledger reconciled %d checkpoint(s) from the CDC history", identifier, len(missing))
     return rows.num_rows

@@ -3,10 +3,16 @@
 Two kinds of entries, each one table property of cdc.<table> holding compact JSON, changed
 only inside a commit that PyIceberg validates against the head it was built on:
 
-- `partfin.writer.<writer id>` = {"checkpoint": n, "offset": "..."}: the writer's committed
-  source position, set in the same commit as its checkpoint. A checkpoint commits only if the
-  position it started from is still the one on the fresh metadata (compare-and-set): two
-  processes with one writer id can never both commit from the same position.
+- `partfin.writer.<stream id>` = {"checkpoint": n, "offset": "..."}: the committed source position
+  of a progress stream (below), set in the same commit as its checkpoint. A checkpoint commits only
+  if the position it started from is still the one on the fresh metadata (compare-and-set): two
+  processes can never both commit from the same position. A writer without partitions has one
+  (stream id = writer id); a source with partitions (Kafka) has one per partition, so processes
+  that share a writer id (one consumer group) each commit the partitions they read, concurrently,
+  and a process that lost a partition can commit it only from where the table stands. Checkpoint
+  ids count up per stream. A table written before per-partition positions keeps its writer's entry
+  (all partitions in one offset): partitions without an entry of their own resume from it, and
+  their checkpoint ids go on from its checkpoint id.
 - `partfin.stream.<stream id>` = {"writer", "progress", "seen", "state", "since"}: a *progress
   stream*, something whose uncommitted data the watermark must not pass. One stream per writer
   (stream id = writer id); a source with partitions (Kafka) has one per partition instead
@@ -79,13 +85,34 @@ NO_POSITION = CommittedPosition(0, None)
 
 
 def writer_position(metadata: TableMetadata, writer_id: str) -> CommittedPosition:
-    """The writer's committed position on this metadata (from its entry; older tables: from the history)."""
+    """The writer's own committed position on this metadata (from its entry; older tables: from the history)."""
     text = metadata.properties.get(K.PROP_WRITER_PREFIX + writer_id)
     if text:
-        entry = json.loads(text)
-        return CommittedPosition(int(entry["checkpoint"]), entry.get("offset"))
+        return _decode_position(text)
     legacy = last_writer_position(metadata, writer_id)  # written before positions were properties
     return CommittedPosition(legacy.checkpoint_id, legacy.source_offset) if legacy else NO_POSITION
+
+
+def stream_position(metadata: TableMetadata, writer_id: str, stream_id: str) -> CommittedPosition:
+    """The committed position of a progress stream of `writer_id`: its entry; a partition stream without one
+    starts where its writer's entry left off (its checkpoint id; the offset is the writer's, `positions_of`)."""
+    if stream_id == writer_id:
+        return writer_position(metadata, writer_id)
+    text = metadata.properties.get(K.PROP_WRITER_PREFIX + stream_id)
+    return _decode_position(text) if text else CommittedPosition(writer_position(metadata, writer_id).checkpoint_id, None)
+
+
+def positions_of(metadata: TableMetadata, writer_id: str) -> dict[str, CommittedPosition]:
+    """Stream id -> committed position, for the writer's own stream and every partition stream with an entry."""
+    prefix = K.PROP_WRITER_PREFIX + writer_id + "/"
+    found = {key[len(K.PROP_WRITER_PREFIX):]: _decode_position(value)
+             for key, value in metadata.properties.items() if key.startswith(prefix)}
+    return {writer_id: writer_position(metadata, writer_id), **found}
+
+
+def _decode_position(text: str) -> CommittedPosition:
+    entry = json.loads(text)
+    return CommittedPosition(int(entry["checkpoint"]), entry.get("offset"))
 
 
 @dataclass(frozen=True)

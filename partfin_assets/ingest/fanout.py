@@ -33,9 +33,9 @@ from partfin_assets.model.records import AcknowledgesCommits, CdcSource
 
 @dataclass(frozen=True)
 class IngestPlan:
-    """The batches a run commits, in order, from the writer position they were read at."""
+    """The batches a run commits, in order, from the stream positions they were read at."""
 
-    start: CommittedPosition
+    start: dict[str, CommittedPosition]
     checkpoints: list[PreparedCheckpoint]
 
 
@@ -62,7 +62,7 @@ class PlanNotCommitted(Exception):
 def plan_ingest(session: IngestSession, *, max_records: int, max_checkpoints: int, shares: int) -> tuple[IngestPlan, list[ShareTask]]:
     """Up to `max_checkpoints` batches from the writer's committed position; one task per share (of every batch),
     none when the batches hold no record (heartbeats, rejects only: the committer alone)."""
-    start = session.writer.position
+    start = session.writer.positions
     checkpoints = session.read_checkpoints(max_records=max_records, max_checkpoints=max_checkpoints)
     plan = IngestPlan(start, [c.for_commit() for c in checkpoints])
     if not any(c.records.num_rows for c in checkpoints):
@@ -114,7 +114,7 @@ def commit_plan(writer: CdcWriter, source: CdcSource | None, plan: IngestPlan, o
                                "nothing committed; re-execute the whole run")
     shares = sorted(outcomes, key=lambda o: o.share)
     by_checkpoint = {index: [o.written[index] for o in shares] for index in range(len(plan.checkpoints)) if shares}
-    writer.expect_position(plan.start)  # where the plan read its batches: anyone committing since fences this run
+    writer.expect_positions(plan.start)  # where the plan read its batches: anyone committing since fences this run
     acknowledge = source.on_committed if isinstance(source, AcknowledgesCommits) else None
     committed = 0
     try:

@@ -84,8 +84,9 @@ class IngestSession:
     def read_checkpoints(self, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
         """Batches for other processes to write and a committer to commit (the fan-out); the source is first told
         what is committed (`run` tells it after each commit)."""
-        if isinstance(self.source, AcknowledgesCommits) and self.writer.resume_offset is not None:
-            self.source.on_committed(self.writer.resume_offset)  # e.g. a replication slot may move to what is committed
+        committed = self.writer.start_offset(self.source)
+        if isinstance(self.source, AcknowledgesCommits) and committed is not None:
+            self.source.on_committed(committed)  # e.g. a replication slot may move to what is committed
         return self.writer.read_checkpoints(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
 
     def __enter__(self) -> IngestSession:

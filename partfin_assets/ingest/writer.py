@@ -6,12 +6,13 @@ snapshot summary, and any table-property updates: one new metadata file, all or
 nothing. The snapshot also records writer id, checkpoint id and source offset,
 so a restarted writer resumes exactly after what was committed.
 
-Fencing: the same commit moves the writer's position (`partfin.writer.<id>`) from the one
-its batch started at to the one after it, and only if the fresh metadata still holds the
-start (compare-and-set, checked on every attempt). So whatever runs at once under one writer
-id -- a CLI run beside the scheduled sync, a restarted twin -- each source position is
-committed once: a writer that lost the race cannot commit its batch; it deletes its files and
-goes on from the position the winner committed.
+Fencing: the same commit moves the position of the batch's progress stream
+(`partfin.writer.<stream id>`: the writer's own, or a Kafka partition's) from the one the batch
+started at to the one after it, and only if the fresh metadata still holds the start
+(compare-and-set, checked on every attempt). So whatever runs at once under one writer id -- a
+CLI run beside the scheduled sync, a restarted twin, the members of one consumer group reading
+their partitions -- each source position is committed once: a writer that lost the race cannot
+commit its batch; it deletes its files and goes on from the positions the table holds.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
 from partfin_assets.iceberg.streams import (
-    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, register_stream, stream_property, streams_of, trusted_clock_us,
-    writer_clocks, writer_position,
+    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, positions_of, register_stream, stream_position, stream_property,
+    streams_of, trusted_clock_us, writer_clocks,
 )
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -79,15 +80,16 @@ class CheckpointResult:
     records: int
     rejected: int
     summary: dict[str, str]
+    attempts: int = 1  # commit attempts: more than one when other processes' commits came first
 
 
 @dataclass(frozen=True)
 class PreparedCheckpoint:
     """A source batch read and ready to write and commit; picklable, so its shares may be written in other processes.
 
-    It commits as the checkpoint after the committing writer's position (`CdcWriter.expect_position`:
-    the position its batch was read from, or the checkpoint before it), and only if the table still
-    holds that position (the fence).
+    It commits as the checkpoint after its stream's position as the committing writer knows it
+    (`CdcWriter.expect_positions`: the positions its batches were read from, or the checkpoint before
+    it), and only if the table still holds that position (the fence).
     """
 
     records: pa.Table  # the batch's CDC records, with their change log (source_log)
@@ -121,16 +123,16 @@ class WrittenShare:
 
 
 class WriterFenced(PartfinError):
-    """Another process committed under this writer id since this one read its position: this batch is void.
+    """Another process committed the batch's stream since this one read its position: this batch is void.
 
-    The writer has deleted the batch's files and taken the committed position; it must read the
-    source again from `position.source_offset` (CdcWriter.run does).
+    The writer has deleted the batch's files and taken the committed positions; it must read the
+    source again from them (CdcWriter.run does).
     """
 
-    def __init__(self, table: str, writer_id: str, expected: CommittedPosition, position: CommittedPosition) -> None:
+    def __init__(self, table: str, stream_id: str, expected: CommittedPosition, position: CommittedPosition) -> None:
         self.position = position
         super().__init__(
-            f"{table}: another process committed checkpoint {position.checkpoint_id} as writer {writer_id!r} "
+            f"{table}: another process committed checkpoint {position.checkpoint_id} of stream {stream_id!r} "
             f"(this one expected {expected.checkpoint_id}); its batch is void, going on from offset {position.source_offset}"
         )
 
@@ -184,7 +186,7 @@ class CdcWriter:
         self.spec = replace(spec, watermark_policy=declare_policy(catalog, spec.cdc_identifier, spec.watermark_policy))
         # the writer's progress stream holds the watermark from now on (iceberg/streams.py)
         self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
-        self._take_position(writer_position(self.table.metadata, self.writer_id))
+        self._positions = positions_of(self.table.metadata, self.writer_id)
         # checkpoints a crashed run committed but never recorded reach the late-data ledger first
         reconcile(catalog, self.table)
         self._ledger = LedgerAppender(catalog, spec.cdc_identifier)
@@ -206,12 +208,26 @@ class CdcWriter:
 
     @property
     def position(self) -> CommittedPosition:
-        """The committed position this writer's next batch starts from."""
-        return CommittedPosition(self.last_checkpoint_id, self.resume_offset)
+        """The committed position the writer's own stream goes on from (a source without partitions)."""
+        return self.position_of(self.writer_id)
 
-    def _take_position(self, position: CommittedPosition) -> None:
-        self.last_checkpoint_id = position.checkpoint_id
-        self.resume_offset = position.source_offset
+    @property
+    def positions(self) -> dict[str, CommittedPosition]:
+        """Stream id -> the committed position its next batch starts from, as far as this writer knows."""
+        return dict(self._positions)
+
+    def position_of(self, stream_id: str) -> CommittedPosition:
+        known = self._positions.get(stream_id)
+        # a partition stream without an entry goes on from its writer's (stream_position)
+        return known if known is not None else CommittedPosition(self._positions[self.writer_id].checkpoint_id, None)
+
+    def start_offset(self, source: CdcSource) -> str | None:
+        """Where `source` is read from: the writer's offset, or (partitions) each partition's own."""
+        own = self._positions[self.writer_id].source_offset
+        partitions = [p.source_offset for sid, p in sorted(self._positions.items()) if sid != self.writer_id and p.source_offset]
+        if not partitions or not isinstance(source, ReadsPartitions):
+            return own
+        return source.joined_offset([o for o in (own, *partitions) if o])
 
     # ---- one checkpoint
 
@@ -246,10 +262,10 @@ class CdcWriter:
             self._erasures = load_erasures(self.catalog, self.spec)
         return self._erasures
 
-    def expect_position(self, start: CommittedPosition) -> None:
-        """The next checkpoint goes on from `start` (where its batch was read, maybe by another process): if anyone
-        committed under this writer id since, its commit is fenced."""
-        self._take_position(start)
+    def expect_positions(self, start: dict[str, CommittedPosition]) -> None:
+        """The next checkpoints go on from `start` (where their batches were read, maybe by another process): if anyone
+        committed one of their streams since, its commit is fenced."""
+        self._positions = dict(start)
 
     def write_shares(self, prepared: PreparedCheckpoint) -> list[WrittenShare]:
         """Write a checkpoint's shares on this writer's subtasks (threads); if one fails, every share's files are deleted."""
@@ -284,8 +300,9 @@ class CdcWriter:
             raise
 
     def _commit_checkpoint(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> CheckpointResult:
-        checkpoint_id = self.last_checkpoint_id + 1
         records, stream_id, heartbeat_us = prepared.records, prepared.stream_id, prepared.heartbeat_us
+        start = self.position_of(stream_id)
+        checkpoint_id = start.checkpoint_id + 1  # counts up per stream
         if records.num_rows == 0 and prepared.rejected.num_rows == 0 and not prepared.erased and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
             return CheckpointResult(checkpoint_id, None, 0, 0, {})
@@ -317,13 +334,12 @@ class CdcWriter:
             arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
         contexts: list[CommitContext] = []
         source_clocks: list[int | None] = []
-        start = self.position
         fenced: list[CommittedPosition] = []
         erased_meanwhile: list[int] = []
-        position_property = {K.PROP_WRITER_PREFIX + self.writer_id: CommittedPosition(checkpoint_id, prepared.offset).encode()}
+        position_property = {K.PROP_WRITER_PREFIX + stream_id: CommittedPosition(checkpoint_id, prepared.offset).encode()}
 
         def build(table: Table, commit_id: str):
-            committed = writer_position(table.metadata, self.writer_id)
+            committed = stream_position(table.metadata, self.writer_id, stream_id)
             if committed != start:  # compare-and-set on the committed source position
                 fenced.append(committed)
                 return None
@@ -370,15 +386,15 @@ class CdcWriter:
         result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
         if fenced:
             self.table = result.table
-            self._take_position(fenced[-1])
-            raise WriterFenced(self.spec.cdc_identifier, self.writer_id, start, fenced[-1])
+            self._positions = positions_of(result.table.metadata, self.writer_id)
+            raise WriterFenced(self.spec.cdc_identifier, stream_id, start, fenced[-1])
         if erased_meanwhile:
             self.table = result.table
             raise ErasedMeanwhile(self.spec.cdc_identifier, start)
         self._commit_stage = "landed"
         faults().crash_point("after-commit")
         self.table = result.table
-        self._take_position(CommittedPosition(checkpoint_id, prepared.offset))
+        self._positions[stream_id] = CommittedPosition(checkpoint_id, prepared.offset)
         self._source_clocks[stream_id] = source_clocks[-1]
         snapshot = result.snapshot
         for processor in self.processors:
@@ -389,7 +405,7 @@ class CdcWriter:
             # some of them may expire now: recorded from memory, not rebuilt by expiry's reconcile from files
             self._ledger.flush()
         expire_snapshots(result.table, self.retention, self._policy_window())
-        return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary)
+        return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary, result.attempts)
 
     def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table) -> None:
         checkpoint = Checkpoint.of_commit(self.writer_id, checkpoint_id, snapshot, clock_us)
@@ -522,8 +538,8 @@ class CdcWriter:
         A source that `AcknowledgesCommits` (e.g. a replication slot that may only
         move past committed changes) is told each offset once its checkpoint commit landed,
         before the next batch is asked for. Empty batches are not reported. When another process
-        commits under the same writer id meanwhile (WriterFenced), the source is read again from
-        the position that process committed.
+        commits one of the batches' streams meanwhile (WriterFenced), the source is read again from
+        the positions the table holds.
 
         The source must read the history the table recorded (its identity, checked first:
         SourceMismatch names the table's current source); each checkpoint records it again.
@@ -555,7 +571,7 @@ class CdcWriter:
 
     def read_checkpoints(self, source: CdcSource, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
         """Up to `max_checkpoints` batches of the source from this writer's position, prepared for other processes to
-        write (`write_share`) and a writer to commit in order after `expect_position(self.position)`.
+        write (`write_share`) and a writer to commit in order after `expect_positions(self.positions)`.
 
         Batches with nothing to commit (no record, no reject, no heartbeat) are left out, as `run` skips them.
         """
@@ -572,12 +588,12 @@ class CdcWriter:
     def _check_source(self, source: CdcSource) -> None:
         """The source must read the history the table recorded for this writer (SourceMismatch names the table's)."""
         recorded = recorded_source(self.table.metadata, self.writer_id)  # each writer id reads a source of its own
-        self.source_identity = check_source(self.spec.cdc_identifier, recorded, source, self.resume_offset)
+        self.source_identity = check_source(self.spec.cdc_identifier, recorded, source, self.start_offset(source))
 
     def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
         """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
         assigned_streams = source.assigned_streams if isinstance(source, ReadsPartitions) else None
-        batches = source.batches(self.resume_offset, max_records)
+        batches = source.batches(self.start_offset(source), max_records)
         try:
             for batch in batches:
                 self.source_identity = source.identity(batch.offset)  # a file's first line may only now be known

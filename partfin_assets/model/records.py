@@ -192,3 +192,8 @@ class ReadsPartitions(Protocol):
     def assigned_streams(self) -> list[str]:
         """The source partitions read now (Kafka: `<topic>-<partition>`), each a progress stream of the table."""
         ...
+
+    def joined_offset(self, offsets: list[str]) -> str:
+        """One offset to read from that resumes every partition where the last of `offsets` naming it says (each
+        partition's checkpoints record an offset of their partition; a writer's older entry may hold several)."""
+        ...

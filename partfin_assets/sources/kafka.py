@@ -20,17 +20,24 @@ environment instead: `PARTFIN_KAFKA_<NAME>` with dots as `_` (`PARTFIN_KAFKA_SAS
 `sasl.password`; `__` stands for a literal `_`). Any property may come that way; the environment
 wins. Values from the environment are redacted in every error and log line.
 
-Exactly once without trusting the group: the offset a checkpoint commits is the next offset of
-every partition read so far (compact JSON `{"topic": T, "partitions": {"0": 1200, "1": 980}}`),
-recorded in the same Iceberg commit as the records (like Flink's Iceberg sink); a restarted or
-rebalanced reader seeks each partition it is assigned to the offset the table recorded (the log
-start for a partition never read). The group's offsets are committed after each Iceberg commit
-(and set to the table's offsets when partitions are assigned, so a run after a crash between the
-two shows them too), only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress;
-partfin never reads them. Several processes may read one topic in one group under one writer id:
-the writer's compare-and-set on its committed position (ingest/writer.py) lets exactly one of two
-commits from one position land, and the loser reads its partitions again from what the winner
-recorded.
+Exactly once without trusting the group: a checkpoint holds the messages of one partition, and
+the offset it commits is that partition's next offset (compact JSON `{"topic": T, "partitions":
+{"3": 1200}}`), recorded in the same Iceberg commit as the records (like Flink's Iceberg sink) as
+the partition's own position (iceberg/streams.py); a restarted or rebalanced reader seeks each
+partition it is assigned to the offset the table recorded (the log start for a partition never
+read). The group's offsets are committed after each Iceberg commit (and set to the table's
+offsets when partitions are assigned, so a run after a crash between the two shows them too),
+only so that lag monitors (kafka-consumer-groups, Burrow, ...) see progress; partfin never reads
+them.
+
+Scaling out: several processes (on one machine or several) read one topic in one group under one
+writer id; the group spreads the partitions over them and each commits checkpoints of its own
+partitions to the same table, concurrently. The compare-and-set on each partition's position
+(ingest/writer.py) is what keeps every message once, whatever the group does: a commit lands only
+if the table still records the offset its batch started from, so a process that lost a partition
+in a rebalance (and does not know it yet) cannot commit it again from where it stood, and a
+process assigned a partition that another one committed meanwhile is fenced once and reads it
+again from the table's offset.
 
 One batch holds the messages of one partition (`ChangeBatch.stream` = `<topic>-<partition>`),
 so every checkpoint belongs to one partition's progress stream (iceberg/streams.py): the
@@ -301,7 +308,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         self._at_end: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
-        self._committed_offset: str | None = None  # the table's committed offset (the last Iceberg commit), for the group
+        self._committed: dict[int, int] = {}  # next offset per partition as the table holds it, for the group
         self._consumer: Consumer | None = self._new_consumer()  # a bad property is one clear error before anything is created
         self._subscribed = False
         self._cluster_id: str = self._metadata().cluster_id  # an unknown topic too: before anything is created
@@ -400,7 +407,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             if pending:
                 yield self._flush(partition)
             self._positions[partition] = offset + 1
-            yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset(), heartbeat=from_us(decoded.time_us),
+            yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset_of(partition), heartbeat=from_us(decoded.time_us),
                               stream=self.stream_of(partition))
             return
         if decoded is not None:
@@ -426,7 +433,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             },
             schema=REJECTED_RECORD_SCHEMA,
         )
-        return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset(), rejected=rejected,
+        return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset_of(partition), rejected=rejected,
                            stream=self.stream_of(partition))
 
     def assigned_streams(self) -> list[str]:
@@ -440,10 +447,20 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
     def _offset(self) -> str:
         return KafkaOffset(self.spec.topic, dict(self._positions)).to_offset()
 
+    def _offset_of(self, partition: int) -> str:
+        """A batch's offset: its partition's next one (the position of its partition's progress stream)."""
+        return KafkaOffset(self.spec.topic, {partition: self._positions[partition]}).to_offset()
+
+    def joined_offset(self, offsets: list[str]) -> str:
+        joined: dict[int, int] = {}
+        for offset in offsets:
+            joined.update(KafkaOffset.parse(offset, self.spec.topic).partitions)
+        return KafkaOffset(self.spec.topic, joined).to_offset()
+
     def _restart_from(self, start_offset: str | None) -> None:
         """Read again from a committed offset: forget what is pending, seek every assigned partition back."""
         self._positions = dict(KafkaOffset.parse(start_offset, self.spec.topic).partitions) if start_offset else {}
-        self._committed_offset = start_offset  # the table's position: what the group shows once partitions are assigned
+        self._committed = dict(self._positions)  # the table's positions: what the group shows once partitions are assigned
         self._pending.clear()
         self._at_end.clear()
         if self._assigned:  # assigned again at the restart positions (seek refuses partitions not fetching yet)
@@ -473,8 +490,8 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         consumer.assign([self._at_position(p) for p in sorted(self._assigned)])  # where the table says, never the group
         self._at_end &= self._assigned
         log.info("kafka source %s: assigned partitions %s", self.spec.display, sorted(self._assigned))
-        if self._committed_offset is not None:  # a run that commits nothing new still shows lag monitors the table's position
-            self._commit_group_offsets(self._committed_offset, asynchronous=True)
+        if self._committed:  # a run that commits nothing new still shows lag monitors the table's positions
+            self._commit_group_offsets(asynchronous=True)
 
     def _on_revoke(self, consumer, partitions) -> None:
         revoked = {tp.partition for tp in partitions}
@@ -486,13 +503,13 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
 
     def on_committed(self, offset: str) -> None:
         """After the Iceberg commit: the group's offsets follow, for lag monitors only (never read back)."""
-        self._committed_offset = offset
-        self._commit_group_offsets(offset, asynchronous=True)
+        self._committed.update(KafkaOffset.parse(offset, self.spec.topic).partitions)
+        self._commit_group_offsets(asynchronous=True)
 
-    def _commit_group_offsets(self, offset: str, *, asynchronous: bool) -> None:
+    def _commit_group_offsets(self, *, asynchronous: bool) -> None:
         if self._consumer is None or not self._assigned:
             return
-        positions = KafkaOffset.parse(offset, self.spec.topic).partitions
+        positions = self._committed
         offsets = [TopicPartition(self.spec.topic, p, positions[p]) for p in sorted(self._assigned) if p in positions]
         if not offsets:
             return
@@ -504,8 +521,8 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
     def close(self) -> None:
         """Leave the group at once (its partitions go to the other members now, not after a session
         timeout), with the group's offsets at the last Iceberg commit."""
-        if self._committed_offset is not None:
-            self._commit_group_offsets(self._committed_offset, asynchronous=False)
+        if self._committed:
+            self._commit_group_offsets(asynchronous=False)
         if self._consumer is not None:
             consumer, self._consumer = self._consumer, None
             consumer.close()

@@ -12,7 +12,7 @@ from dagster import job, multiprocess_executor
 # server started with: one per run worker, so one per run under Dagster; `{"spawn": {}}` otherwise.
 FORKSERVER = {"forkserver": {"preload_modules": [
     "partfin_assets.defs.platform.upsert_fanout", "partfin_assets.defs.platform.compaction_fanout",
-    "partfin_assets.defs.platform.ingest_fanout",
+    "partfin_assets.defs.platform.ingest_fanout", "partfin_assets.defs.platform.ingest_members",
     "dagster._core.storage.base_storage", "dagster._core.secrets.env_file", "upath.core", "upath.implementations.local",
     "pyiceberg_core.transform", "pyarrow.acero",
 ]}}

@@ -39,8 +39,8 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
             ingest_plan, tasks = plan_ingest(session, max_records=config.max_records, max_checkpoints=config.max_checkpoints,
                                              shares=config.shares)
         records = sum(c.records.num_rows for c in ingest_plan.checkpoints)
-        context.log.info(f"{len(ingest_plan.checkpoints)} batch(es), {records} record(s) from checkpoint "
-                         f"{ingest_plan.start.checkpoint_id} of {session.writer.writer_id}, in {len(tasks)} share(s) each")
+        context.log.info(f"{len(ingest_plan.checkpoints)} batch(es), {records} record(s) from the committed positions of "
+                         f"{session.writer.writer_id}, in {len(tasks)} share(s) each")
         yield Output(ingest_plan, "plan")
         for task in tasks:
             yield DynamicOutput(task, output_name="shares", mapping_key=f"share_{task.share}")
@@ -84,7 +84,7 @@ def build_ingest_fanout_job(table: PartfinTable, *, max_concurrent: int = 2):
             raise Failure(str(exc)) from None
         finally:
             writer.close()  # records the checkpoints in the ledger
-        report_ingest(context, table, iceberg, writer, watermark_before, touched, committed)
+        report_ingest(context, table, iceberg, writer.table, watermark_before, touched, committed)
 
     @fanout_job(
         f"ingest_{name}_fanout",

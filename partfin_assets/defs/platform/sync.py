@@ -52,6 +52,7 @@ from partfin_assets.finalization.partition_metadata import checkpoint_hours
 from partfin_assets.finalization.report import finalization_picture, markdown_report, report_dir, report_is_stale, write_report
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
+from pyiceberg.table import Table
 from partfin_assets.iceberg.tables import ensure_base_table
 from partfin_assets.ingest.session import IngestSession
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
@@ -228,7 +229,7 @@ def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, icebe
                 break
             if result.snapshot_id is not None:
                 touched.update(report_checkpoint(context, table, writer, result))
-    report_ingest(context, table, iceberg, writer, watermark_before, touched, checkpoints)
+    report_ingest(context, table, iceberg, writer.table, watermark_before, touched, checkpoints)
 
 
 def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, writer: CdcWriter,
@@ -243,12 +244,12 @@ def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table
     return hours
 
 
-def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, iceberg, writer: CdcWriter,
+def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, iceberg, cdc: Table,
                   watermark_before: int | None, touched: set[int], checkpoints: int) -> None:
-    """After a run's checkpoints: every hour they touched or finalized with the hour's totals, the table's watermark
-    and late data, and the cdc checks."""
-    watermark = watermark_of(writer.table.properties)
-    policy = WATERMARK_POLICY.text(writer.table.properties)  # in force: the table's, whatever was declared
+    """After a run's checkpoints (`cdc`: the table after them): every hour they touched or finalized with the hour's
+    totals, the table's watermark and late data, and the cdc checks."""
+    watermark = watermark_of(cdc.properties)
+    policy = WATERMARK_POLICY.text(cdc.properties)  # in force: the table's, whatever was declared
     now_us = to_us(now_utc())
     ledger = read_ledger(iceberg, table.spec.cdc_identifier)
     hours = touched | set(newly_final_hours(watermark_before, watermark, table.start_us))
