@@ -23,11 +23,18 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dagster import Definitions, execute_job, reconstructable
+
+from partfin_assets.defs.platform.fanout import FORKSERVER
+from partfin_assets.defs.platform.ingest_members import build_ingest_members_job
+from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
+from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import positions_of
 from partfin_assets.iceberg.tables import ledger_identifier
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR
 from partfin_assets_tests import debezium_messages as dbz
 from partfin_assets_tests.test_kafka_cluster import produce
@@ -200,3 +207,45 @@ def test_a_table_written_before_per_partition_positions_goes_on_from_its_writer_
     rows = read_ledger(catalog, "cdc.orders", columns=("stream", "checkpoint_id", "hour", "records"))
     assert rows.filter(pl.col("hour").is_not_null())["records"].sum() == cdc_rows(home).num_rows
     assert not rows.select("stream", "checkpoint_id", "hour").is_duplicated().any()
+
+
+def members_job():
+    """Module level, so every step process can rebuild the job (reconstructable)."""
+    job = build_ingest_members_job(PartfinTable(spec=TableSpec("orders", ("id",)), source="kafka:unused:9092#unused",
+                                                partitions_start="2026-11-01-00:00"))
+    return Definitions(jobs=[job], resources={"catalog": IcebergCatalogResource(), "cdc_source": CdcSourceResource()}).get_job_def(job.name)
+
+
+def test_the_members_job_runs_one_group_member_per_step_and_reports_the_hours(tmp_path, kafka_cluster, instance):
+    """`ingest_orders_members` with 3 members on the multiprocess executor: three steps in processes of their own, each
+    a member of the group committing its partitions; every message lands once, and the report step reports the hours.
+    A source without partitions is refused in one line (several members would only fence each other)."""
+    kafka_cluster.create_topic(TOPIC, 6)
+    messages = dbz.row_history(range(300), T0_MS, updates=2, delete_every=7)
+    delivered = produce(kafka_cluster, TOPIC, messages)
+    home = tmp_path / "partfin"
+
+    def run(source: str, members: int):
+        config = {
+            "execution": {"config": {"max_concurrent": 3, "start_method": FORKSERVER}},
+            "resources": {"catalog": {"config": {"home": str(home)}}, "cdc_source": {"config": {"source": source, "max_records": 50}}},
+            "ops": {"members_orders": {"config": {"members": members}}},
+        }
+        with execute_job(reconstructable(members_job), instance=instance, run_config=config, raise_on_error=False) as result:
+            return result.success, result.all_events
+
+    ok, logged = run(kafka_spec(kafka_cluster, extra="group=orders-members"), 3)
+    assert ok
+    assert events(cdc_rows(home)) == expected_events(messages, delivered)
+    consumed = {e.step_key for e in logged if e.event_type_value == "STEP_SUCCESS" and e.step_key.startswith("consume_orders")}
+    assert len(consumed) == 3
+    pids = {e.pid for e in logged if e.event_type_value == "STEP_START" and e.step_key.startswith("consume_orders")}
+    assert len(pids) == 3  # each member in a process of its own
+    committers = {e.step_key for e in logged if e.event_type_value == "ASSET_OBSERVATION" and e.step_key.startswith("consume_orders")}
+    assert len(committers) >= 2  # the group spread the partitions: several members committed
+    assert any(e.event_type_value == "ASSET_MATERIALIZATION" and e.step_key == "report_ingest_orders" for e in logged)
+
+    ok, logged = run("synthetic", 2)
+    assert not ok
+    failure = next(e for e in logged if e.event_type_value == "STEP_FAILURE")
+    assert "a synthetic source has one position" in failure.message or "one position" in str(failure.event_specific_data)

@@ -498,7 +498,9 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         for partition in revoked:
             self._pending.pop(partition, None)  # never yielded: the partition's next reader reads them
         self._at_end -= revoked
-        self._assigned = (self._assigned or set()) - revoked
+        # every partition taken (a rebalance): None until the group assigns again, so that a reader that ends at the
+        # end of its partitions does not end in between with the partitions read by no one
+        self._assigned = ((self._assigned or set()) - revoked) or None
         consumer.unassign()
 
     def on_committed(self, offset: str) -> None:

@@ -49,8 +49,9 @@ def build_ingest_members_job(table: PartfinTable, *, max_concurrent: int = 4):
             yield DynamicOutput(member, output_name="members", mapping_key=f"member_{member}")
 
     @op(name=f"consume_{name}", tags={"kind": "kafka"})
-    def consume(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource, member: int) -> list[int]:
-        """One group member: commit checkpoints of the partitions the group gives it; the hours they touched."""
+    def consume(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource,
+                member: int) -> tuple[int, list[int]]:
+        """One group member: commit checkpoints of the partitions the group gives it; how many, and the hours they touched."""
         touched: set[int] = set()
         checkpoints = 0
         # <table>-writer, as `partfin ingest` and sync_<table>: the members share it, each committing its own partitions
@@ -64,14 +65,16 @@ def build_ingest_members_job(table: PartfinTable, *, max_concurrent: int = 4):
                     context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
                     break
         context.log.info(f"member {member}: {checkpoints} checkpoint(s)")
-        return sorted(touched)
+        return checkpoints, sorted(touched)
 
     @op(name=f"report_ingest_{name}", tags={"kind": "iceberg"})
-    def report(context: OpExecutionContext, catalog: IcebergCatalogResource, before: Optional[int], touched: list[list[int]]) -> None:
+    def report(context: OpExecutionContext, catalog: IcebergCatalogResource, before: Optional[int],
+               consumed: list[tuple[int, list[int]]]) -> None:
         """The hours the members touched or finalized, the table's watermark and the cdc checks, as a sync run."""
         iceberg = catalog.load()
-        hours = {h for member in touched for h in member}
-        report_ingest(context, table, iceberg, iceberg.load_table(table.spec.cdc_identifier), before, hours, len(touched))
+        hours = {h for _, touched in consumed for h in touched}
+        checkpoints = sum(n for n, _ in consumed)
+        report_ingest(context, table, iceberg, iceberg.load_table(table.spec.cdc_identifier), before, hours, checkpoints)
 
     @fanout_job(
         f"ingest_{name}_members",
