@@ -268,7 +268,9 @@ class PostgresHarness(SourceHarness):
         return "TRUNCATE"
 
     def add_heartbeats(self) -> Heartbeats:
-        # an idle database: the source's heartbeat at the end of a run is the database clock, after every commit
+        # the database stays idle for 6 hours (its server's clock steps on): the source's heartbeat at the end of a
+        # run is the database clock, after every commit
+        self.cluster.step_clock(hours=6)
         (now,) = self.conn.execute("SELECT clock_timestamp()").fetchone()
         return Heartbeats(to_us(now))
 
@@ -336,13 +338,52 @@ def open_harness(kind: str, tmp_path: Path, request) -> Iterator[SourceHarness]:
         with mock_kafka_cluster(brokers=3) as cluster:
             yield KafkaHarness(cluster)
     elif kind == "postgres":
-        harness = PostgresHarness(request.getfixturevalue("postgres"))
+        harness = PostgresHarness(request.getfixturevalue("postgres_with_a_clock"))
         try:
             yield harness
         finally:
             harness.close()
     else:
         raise LookupError(f"no conformance harness for source kind {kind!r}: add one to source_harness.py")
+
+
+STARTS_BEHIND_HOURS = -24
+
+
+class SteppedClockCluster:
+    """A throwaway PostgreSQL cluster whose server clock can be stepped forward (libfaketime reads the offset file on
+    every clock call): hours of an idle database pass at once. It starts a day behind, so that the stepped clock stays
+    in the past (partfin trusts no source clock ahead of its own)."""
+
+    def __init__(self, cluster, clock_file: Path) -> None:
+        self.cluster, self.clock_file, self.offset_hours = cluster, clock_file, STARTS_BEHIND_HOURS
+
+    def __getattr__(self, name):
+        return getattr(self.cluster, name)
+
+    def step_clock(self, hours: int) -> None:
+        self.offset_hours += hours
+        assert self.offset_hours <= 0, "a server clock ahead of partfin's is not trusted"
+        self.clock_file.write_text(f"{self.offset_hours:+d}h\n")
+
+
+@contextmanager
+def postgres_with_a_clock() -> Iterator[SteppedClockCluster]:
+    import shutil
+    import tempfile
+
+    from partfin_assets_tests.postgres_cluster import throwaway_cluster
+
+    folder = Path(tempfile.mkdtemp(prefix="partfin-clock-"))  # the server (user postgres) must read it
+    folder.chmod(0o755)
+    clock = folder / "faketime"
+    clock.write_text(f"{STARTS_BEHIND_HOURS:+d}h\n")
+    clock.chmod(0o644)
+    try:
+        with throwaway_cluster(clock_file=clock) as cluster:
+            yield SteppedClockCluster(cluster, clock)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 HARNESSES = ("synthetic", "debezium", "postgres", "kafka")  # the kinds open_harness knows

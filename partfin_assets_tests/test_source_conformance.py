@@ -26,12 +26,18 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z, parse_iso, to_us
 from partfin_assets.sources.registry import SOURCE_KINDS
 from partfin_assets_tests.scenario_helpers import partfin
-from partfin_assets_tests.source_harness import HARNESSES, SourceHarness, open_harness
+from partfin_assets_tests.source_harness import HARNESSES, SourceHarness, open_harness, postgres_with_a_clock
 
 CHECKPOINT = 10  # records per checkpoint: every run below spans several
 # where each run of the kill test dies: between a checkpoint's data files and its commit, right after a commit
 # (the n-th of the run), or at a random moment after the run's first checkpoint
 KILLS = ("after-files:1", "after-commit:2", "timed", "after-files:3", "after-commit:1", "timed")
+
+
+@pytest.fixture(scope="module", name="postgres_with_a_clock")
+def postgres_with_a_clock_fixture():
+    with postgres_with_a_clock() as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=sorted(SOURCE_KINDS))
