@@ -89,8 +89,8 @@ class _DebeziumChanges:
     """Debezium change events of `orders` rows (PostgreSQL connector, JsonConverter), one minute of source time apart:
     for each new key a create; every second key an update; every fourth a delete and its tombstone."""
 
-    def __init__(self) -> None:
-        self.next_key = 1
+    def __init__(self, first_key: int = 1) -> None:
+        self.next_key = first_key
         self.next_ms = T0_MS
         self.events: Counter = Counter()
 
@@ -150,7 +150,7 @@ class DebeziumFileHarness(SourceHarness):
 
     def other_spec(self) -> str:
         other = self.folder / "other.jsonl"
-        self._append(other, [m.value for m in _DebeziumChanges().take(7)])
+        self._append(other, [m.value for m in _DebeziumChanges(first_key=1000).take(7)])  # another first line: another file
         return f"debezium:{other}"
 
 
@@ -209,7 +209,7 @@ class KafkaHarness(SourceHarness):
     def other_spec(self) -> str:
         other = "dbserver1.public.other"
         self.cluster.create_topic(other, 1)
-        self._produce(_DebeziumChanges().take(7), topic=other)
+        self._produce(_DebeziumChanges(first_key=1000).take(7), topic=other)
         return self._spec(other)
 
 
@@ -325,28 +325,6 @@ class SyntheticHarness(SourceHarness):
         return SyntheticHarness(seed=self.seed + 1).spec()
 
 
-@contextmanager
-def open_harness(kind: str, tmp_path: Path, request) -> Iterator[SourceHarness]:
-    """The harness of `kind` for one test (the session's PostgreSQL cluster, a mock Kafka cluster of its own)."""
-    if kind == "synthetic":
-        yield SyntheticHarness()
-    elif kind == "debezium":
-        yield DebeziumFileHarness(tmp_path)
-    elif kind == "kafka":
-        from partfin_assets_tests.kafka_cluster import mock_kafka_cluster
-
-        with mock_kafka_cluster(brokers=3) as cluster:
-            yield KafkaHarness(cluster)
-    elif kind == "postgres":
-        harness = PostgresHarness(request.getfixturevalue("postgres_with_a_clock"))
-        try:
-            yield harness
-        finally:
-            harness.close()
-    else:
-        raise LookupError(f"no conformance harness for source kind {kind!r}: add one to source_harness.py")
-
-
 STARTS_BEHIND_HOURS = -24
 
 
@@ -386,4 +364,40 @@ def postgres_with_a_clock() -> Iterator[SteppedClockCluster]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-HARNESSES = ("synthetic", "debezium", "postgres", "kafka")  # the kinds open_harness knows
+@contextmanager
+def _synthetic(tmp_path: Path, request) -> Iterator[SourceHarness]:
+    yield SyntheticHarness()
+
+
+@contextmanager
+def _debezium(tmp_path: Path, request) -> Iterator[SourceHarness]:
+    yield DebeziumFileHarness(tmp_path)
+
+
+@contextmanager
+def _kafka(tmp_path: Path, request) -> Iterator[SourceHarness]:
+    from partfin_assets_tests.kafka_cluster import mock_kafka_cluster
+
+    with mock_kafka_cluster(brokers=3) as cluster:  # a cluster of its own per test
+        yield KafkaHarness(cluster)
+
+
+@contextmanager
+def _postgres(tmp_path: Path, request) -> Iterator[SourceHarness]:
+    harness = PostgresHarness(request.getfixturevalue("postgres_with_a_clock"))  # the module's cluster, a database per test
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+# One entry per source kind of the registry: how a test opens that kind's harness (with pytest's `request`).
+HARNESSES = {"synthetic": _synthetic, "debezium": _debezium, "kafka": _kafka, "postgres": _postgres}
+
+
+def open_harness(kind: str, tmp_path: Path, request):
+    """The harness of `kind` for one test, as a context manager."""
+    if kind not in HARNESSES:
+        raise LookupError(f"no conformance harness for source kind {kind!r}: add one to source_harness.py")
+    return HARNESSES[kind](tmp_path, request)
+

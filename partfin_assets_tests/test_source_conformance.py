@@ -172,7 +172,8 @@ def test_another_source_for_the_same_table_is_refused_in_one_line(harness, tmp_p
     assert ingest(home, harness).returncode == 0
     before = table_rows(home).num_rows
     line = one_line_error(ingest(home, harness, spec=harness.other_spec()))
-    assert "cdc.orders" in line, line
+    print(f"{harness.kind}, another source: {line}")
+    assert "cdc.orders reads from" in line and harness.kind in line, line  # names the table's current source
     assert table_rows(home).num_rows == before
     harness.add_events(CHECKPOINT)
     assert ingest(home, harness).returncode == 0
@@ -201,5 +202,6 @@ def test_replay_reproduces_the_hour_or_is_refused_in_one_line(harness, tmp_path)
         assert "(0 added, 0 removed" in result.stdout, result.stdout
     else:
         line = one_line_error(result)
+        print(f"{harness.kind}, replay: {line}")
         assert "cannot replay" in line and harness.refusal in line, line
     assert hour_events() == before
