@@ -3,8 +3,9 @@
 - a `source.ts_ms` that is NaN, Infinity, past int64 or microseconds sent as milliseconds;
 - float NaN / ±Infinity from Debezium (JsonConverter quotes them) and from PostgreSQL float8/real;
 - a CDC payload the upsert cannot decode;
-- a Debezium stream that is idle but sends heartbeat messages;
 - a missing Debezium file; a declaration that does not match the file's schema.
+
+(Heartbeats of an idle stream, and a poisoned message of every source kind: test_source_conformance.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model.records import CDC_RECORD_SCHEMA_WITHOUT_ARRIVAL, REJECTED_RECORD_SCHEMA, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets_tests.debezium_lines import change_line, heartbeat_line
+from partfin_assets_tests.debezium_lines import change_line
 from partfin_assets_tests.test_cli import partfin
 from partfin_assets_tests.test_postgres_source import drop_slots
 
@@ -253,26 +254,6 @@ def quarantine_check(home: Path):
         table = PartfinTable(spec=SHOP, source="synthetic")
         result = build_definitions([table]).resolve_job_def("checks_shop").execute_in_process(instance=DagsterInstance.ephemeral())
     return {e.check_name: e for e in result.get_asset_check_evaluations()}["quarantined_changes"]
-
-
-# --------------------------------------------------------------------------- idle streams
-
-
-@pytest.mark.parametrize("wrapped", [True, False], ids=["with-schema", "schemaless"])
-def test_debezium_heartbeats_advance_an_idle_stream(tmp_path, wrapped):
-    events = [change_line({"id": i, "amount": 1.0, "note": None}, T0_MS + i * 5 * MINUTE_MS) for i in range(6)]
-    heartbeats = [heartbeat_line(T0_MS + m * MINUTE_MS, wrapped=wrapped) for m in range(30, 6 * 60 + 1, 5)]
-    path = write_lines(tmp_path / "changes.jsonl", [*events, *heartbeats])
-    result = partfin(tmp_path, "ingest", "--table", "shop", "--source", f"debezium:{path}", "--primary-key", "id")
-    rejected = table_rows(tmp_path, "cdc.shop__rejected")
-    watermark = cdc_watermark(tmp_path, "shop")
-    print(
-        f"\nexit {result.returncode}; watermark {watermark} (heartbeats up to {iso(T0_MS + 6 * HOUR_MS)}); "
-        f"rejected {rejected.num_rows if rejected is not None else 0}"
-    )
-    assert result.returncode == 0, result.stderr
-    assert rejected is None or rejected.num_rows == 0
-    assert watermark is not None and watermark >= iso(T0_MS + 5 * HOUR_MS)
 
 
 # --------------------------------------------------------------------------- missing file, declaration

@@ -23,7 +23,7 @@ import pytest
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import floor_hour_us, parse_iso, to_us
+from partfin_assets.model.timeutil import parse_iso, to_us
 from partfin_assets.sources.postgres import PostgresSource, PostgresSourceError, lsn_to_int
 from partfin_assets.sources.registry import make_source
 
@@ -189,27 +189,6 @@ def test_workload_lands_exactly_once_with_commit_times_and_resumes(postgres, dat
     payload = json.loads(first_row["payload"])
     assert payload["amount"] == "3.50" and payload["due"] == "2026-11-01" and payload["placed"].endswith("Z")
     assert parse_iso(payload["placed"]) <= first_row["event_time"]
-
-
-def test_idle_database_heartbeats_advance_the_watermark(postgres, database, catalog):
-    dsn = postgres.dsn(database)
-    with connect(postgres, database) as conn:
-        conn.execute(TABLE_DDL)
-        conn.execute("INSERT INTO orders VALUES (1, 1, 'x', now(), NULL)")  # before the slot: not delivered
-        source = PostgresSource(dsn, "orders", follow=True, heartbeat_interval=0.05, poll_interval=0.02)
-        writer = CdcWriter(catalog, source.table_spec(), heartbeat_interval_s=0)
-        list(writer.run(PostgresSource(dsn, "orders"), max_records=100))  # creates the slot
-        conn.execute("INSERT INTO orders VALUES (2, 1, 'x', now(), NULL)")
-        last_commit_us = to_us(conn.execute("SELECT now()").fetchone()[0])  # not before the insert's commit time
-        results = list(writer.run(source, max_records=100, max_checkpoints=5))
-        writer.close()
-    assert [r.records for r in results][:1] == [1]
-    heartbeats = [to_us(parse_iso(r.summary[K.EVENT_TIME_HEARTBEAT])) for r in results if r.records == 0]
-    assert len(heartbeats) >= 3 and heartbeats == sorted(heartbeats)
-    assert heartbeats[0] >= last_commit_us  # the clock of an idle database, after every delivered commit
-    table = catalog.load_table("cdc.orders")
-    watermark = to_us(parse_iso(table.properties[K.PROP_WATERMARK]))
-    assert watermark == floor_hour_us(min(heartbeats[-3:]))  # min-of-last:3 over heartbeat-only commits
 
 
 def test_heartbeat_waits_for_transactions_in_progress(postgres, database, catalog):

@@ -9,11 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import uuid
 from collections import Counter
 
 import numpy as np
-import psycopg
 import pyarrow.compute as pc
 import pytest
 from dagster import AssetKey, DagsterEventType, DagsterInstance, RunConfig
@@ -26,7 +24,6 @@ from partfin_assets.ingest.writer import CdcWriter
 from partfin_assets.jobs.job import Job
 from partfin_assets.jobs.replay import replay_hour
 from partfin_assets.model.summary_keys import JobKind
-from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 from partfin_assets.sources.synthetic import ORDERS_SPEC
 from partfin_assets.testing import dagster_processes
@@ -128,57 +125,6 @@ def test_synthetic_replay_an_hour_later_reproduces_the_hour(tmp_path):
     print("synthetic replay an hour later:", json.dumps(figures))
     for hour in (inside, oldest):
         assert hour_rows(catalog, hour) == before[hour], figures
-
-
-@pytest.fixture
-def pg_database(postgres):
-    name = f"pf_{uuid.uuid4().hex[:10]}"
-    postgres.create_database(name)
-    yield name
-    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
-        for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)).fetchall():
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-
-
-def test_postgres_replay_is_refused_and_the_hour_stays(postgres, pg_database, tmp_path, monkeypatch):
-    """A replication slot holds only changes not yet ingested: a replay of an hour cannot re-read it.
-    Before: the replay read an empty slot and OVERWROTE the hour with nothing (the hour deleted).
-    Wanted: refused with a message saying what to do instead; the hour and the slot untouched."""
-    dsn = postgres.dsn(pg_database)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE orders (id bigint PRIMARY KEY, user_id bigint, amount float8, status text)")
-        home = tmp_path / "home"
-        assert partfin(home, "ingest", "--table", "orders", "--source", f"postgres:{dsn}").returncode == 0  # creates the slot
-        for i in range(1, 41):
-            conn.execute("INSERT INTO orders VALUES (%s, %s, %s, 'new')", (i, i % 7, i * 1.5))
-        ingest = partfin(home, "ingest", "--table", "orders", "--source", f"postgres:{dsn}")
-        assert ingest.returncode == 0, ingest.stderr
-        slot_before = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'partfin_orders'").fetchone()
-    catalog = load_partfin_catalog(home)
-    times = pc.cast(catalog.load_table("cdc.orders").scan().to_arrow().column("event_time"), "int64")
-    hour = floor_hour_us(pc.max(times).as_py())
-    before = hour_rows(catalog, hour)
-    assert before
-
-    monkeypatch.setenv("PARTFIN_HOME", str(home))
-    monkeypatch.delenv("PARTFIN_SOURCE", raising=False)
-    monkeypatch.setenv("PARTFIN_PARTITIONS_START", hour_key(hour - 24 * US_PER_HOUR))
-    from partfin_assets.defs import build_definitions
-    from partfin_assets.defs.tables import PartfinTable
-
-    spec = TableSpec("orders", ("id",), dict(ORDERS_SPEC.columns))
-    defs = build_definitions([PartfinTable(spec=spec, source=f"postgres:{dsn}")])
-    with DagsterInstance.ephemeral() as instance:
-        result = replay_in_dagster(defs, instance, hour_key(hour), force=True)  # the hour is open: force past that guard
-        after = hour_rows(catalog, hour)
-        print(f"postgres replay of {iso_z(hour)}: {len(before)} records before, {len(after)} after; success={result.success}")
-        assert not result.success
-        message = failure_message(result)
-        print(f"refused: {message}")
-    assert "replication slot" in message and "partfin_orders" in message and "cannot" in message
-    assert after == before
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        assert conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'partfin_orders'").fetchone() == slot_before
 
 
 def test_replay_reads_only_what_the_writer_committed(file_table):

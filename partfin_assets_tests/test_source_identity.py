@@ -8,8 +8,6 @@ import subprocess
 import sys
 import time
 
-import pyarrow.compute as pc
-
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets_tests.scenario_helpers import append_lines, hour_of_changes, partfin
 
@@ -99,18 +97,6 @@ def test_file_changed_before_the_offset_with_its_first_line_kept_is_refused(tmp_
     append_lines(path, lines[:-1] + [lines[-1].replace('"new"', '"old"')])  # same length, other bytes
     assert_refused(ingest(home, path), str(path), "cdc.orders", "rewritten")
     assert table_counts(home) == before
-
-
-def test_an_untouched_file_resumes_where_it_stopped(tmp_path):
-    """The identity check must not get in the way: a file that only grew resumes exactly where it stopped."""
-    path, home = tmp_path / "orders.jsonl", tmp_path / "home"
-    append_lines(path, hour_of_changes("2026-11-01T00:00:00Z", range(1, 21)))
-    assert ingest(home, path).returncode == 0
-    append_lines(path, hour_of_changes("2026-11-01T01:00:00Z", range(21, 31)))
-    assert ingest(home, path).returncode == 0
-    rows = load_partfin_catalog(home).load_table("cdc.orders").scan().to_arrow()
-    assert sorted(rows.column("source_seq").to_pylist()) == list(range(1, 31))
-    assert pc.count_distinct(rows.column("key")).as_py() == 30
 
 
 def test_file_truncated_while_following_stops_with_one_line(tmp_path):
