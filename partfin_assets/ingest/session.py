@@ -21,7 +21,7 @@ from pyiceberg.catalog import Catalog
 from partfin_assets.iceberg.commit import set_table_properties
 from partfin_assets.ingest.writer import CdcWriter, CheckpointResult, PreparedCheckpoint
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.records import AcknowledgesCommits, CdcSource, DiscoversColumns, HoldsConnections
+from partfin_assets.model.records import CdcSource, DiscoversColumns, HoldsConnections
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.registry import source_kind, source_table_spec
 from partfin_assets.watermark.registry import parse_policy
@@ -82,11 +82,7 @@ class IngestSession:
         return self.writer.run(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
 
     def read_checkpoints(self, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
-        """Batches for other processes to write and a committer to commit (the fan-out); the source is first told
-        what is committed (`run` tells it after each commit)."""
-        committed = self.writer.start_offset(self.source)
-        if isinstance(self.source, AcknowledgesCommits) and committed is not None:
-            self.source.on_committed(committed)  # e.g. a replication slot may move to what is committed
+        """Batches for other processes to write and a committer to commit (the fan-out)."""
         return self.writer.read_checkpoints(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
 
     def __enter__(self) -> IngestSession:

@@ -573,9 +573,13 @@ class CdcWriter:
         """Up to `max_checkpoints` batches of the source from this writer's position, prepared for other processes to
         write (`write_share`) and a writer to commit in order after `expect_positions(self.positions)`.
 
-        Batches with nothing to commit (no record, no reject, no heartbeat) are left out, as `run` skips them.
+        Batches with nothing to commit (no record, no reject, no heartbeat) are left out, as `run` skips them. A source
+        that `AcknowledgesCommits` is first told what is committed (`run` tells it after each commit).
         """
         self._check_source(source)
+        committed = self.start_offset(source)
+        if isinstance(source, AcknowledgesCommits) and committed is not None:
+            source.on_committed(committed)  # e.g. a replication slot may move to what is committed
         prepared: list[PreparedCheckpoint] = []
         with closing(self._batches(source, max_records)) as batches:
             for batch in batches:
@@ -588,7 +592,8 @@ class CdcWriter:
     def _check_source(self, source: CdcSource) -> None:
         """The source must read the history the table recorded for this writer (SourceMismatch names the table's)."""
         recorded = recorded_source(self.table.metadata, self.writer_id)  # each writer id reads a source of its own
-        self.source_identity = check_source(self.spec.cdc_identifier, recorded, source, self.start_offset(source))
+        # the writer's own offset: a partitioned source's identity does not depend on its partitions' offsets
+        self.source_identity = check_source(self.spec.cdc_identifier, recorded, source, self.position.source_offset)
 
     def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
         """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
