@@ -49,13 +49,13 @@ def events(count: int) -> list[dbz.DebeziumMessage]:
     return [dbz.change(i % 5000, "u", T0_MS + i, version=1 + i // 5000, note_bytes=250) for i in range(count)]
 
 
-def produce(cluster, messages, **producer_config) -> None:
-    """Every message into TOPIC, delivered (murmur2: where Kafka's Java clients would put each key)."""
+def produce(cluster, messages, *, topic: str = TOPIC, **producer_config) -> None:
+    """Every message into `topic`, delivered (murmur2: where Kafka's Java clients would put each key)."""
     producer = Producer(cluster.client_config(**{"linger.ms": 20, "partitioner": "murmur2_random", **producer_config}))
     for message in messages:
         while True:
             try:
-                producer.produce(TOPIC, key=message.key, value=message.value, timestamp=message.timestamp_ms)
+                producer.produce(topic, key=message.key, value=message.value, timestamp=message.timestamp_ms)
                 break
             except BufferError:  # local queue full: let deliveries drain
                 producer.poll(0.1)

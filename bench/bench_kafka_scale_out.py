@@ -1,18 +1,20 @@
-"""`partfin ingest` from Kafka scaled out: 1, 2 and 4 processes in one consumer group, one table (goal: 2 >= 1.6x 1).
+"""`partfin ingest` from Kafka scaled out: a group of 1, 2 and 4 processes, one table (goal: 2 >= 1.6x 1).
 
-    .venv/bin/python bench/bench_kafka_scale_out.py [--messages 60000] [--partitions 8] [--checkpoint-records 5000]
+    .venv/bin/python bench/bench_kafka_scale_out.py [--messages 200000] [--partitions 64] [--checkpoint-records 5000]
                                                    [--processes 1,2,4] [--repeats 2]
 
-Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process);
---messages Debezium update events of ~1 KB (the same events as bench_kafka_ingest.py) produced to a topic
-of --partitions partitions.
-Measured, --repeats passes, each running every process count back to back (so the shared machine's load
-hits them alike): N `partfin ingest` processes started at once in a new consumer group, into a fresh
-PARTFIN_HOME, timed from their start until the last one exits (each reads the partitions the group gives it to their end;
-Python's start, the table's creation and the group's join included). Each table is checked to hold every event once.
-Reported: events/s per process count (median), the median per-pass ratio to one process, and the
-commit retries per checkpoint (commits that lost a race to another process's commit, from the
-processes' progress lines).
+Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process); a
+topic of --partitions partitions per run; N `partfin -v ingest --follow` processes in a new consumer group,
+into a fresh PARTFIN_HOME, started on the empty topic and left until the group has given each its share
+of the partitions (their logs say so).
+Timed: --messages Debezium update events of ~1 KB (the events of bench_kafka_ingest.py) produced to the
+topic at once, until the processes' progress lines report every one committed: the throughput of a running
+group (decoding, writing and committing in each process), without Python's start or the group's first join,
+which a long-running group pays once. The processes are then stopped (SIGTERM) and the table is checked to
+hold every event once. --repeats passes, each running every process count back to back (so the shared
+machine's load hits them alike).
+Reported: events/s per process count (median), the median per-pass ratio to one process, and the commit
+retries per checkpoint (commits that lost a race to another process's commit, from the progress lines).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,42 +37,87 @@ sys.path.insert(0, str(REPO))
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
-from bench_kafka_ingest import TOPIC, check_retention, events, produce  # noqa: E402
+from bench_kafka_ingest import events, produce  # noqa: E402
 from _sizes import parse_sizes  # noqa: E402
 
-PROGRESS = re.compile(r"checkpoint \d+ .*?(?:commit retries (\d+))?$", re.MULTILINE)
+PROGRESS = re.compile(r"checkpoint \d+\s+records ([\d,]+).*?(?:commit retries (\d+))?$")
+ASSIGNED = re.compile(r"assigned partitions (\[[\d, ]*\])")
+WAIT_S = 600  # a run slower than this is a failure, not a figure
 GROUP = "session.timeout.ms=3000,heartbeat.interval.ms=300"  # the mock waits a session less 1 s before each rebalance
 
 
-def scale_out(home: Path, source: str, processes: int, checkpoint_records: int, expected: int) -> tuple[float, int, int]:
-    """Seconds until `processes` ingest processes of one group all exited; (seconds, checkpoints, commit retries)."""
+class Member:
+    """One `partfin -v ingest --follow` process: its partitions and the records its progress lines report."""
+
+    def __init__(self, command: list[str], env: dict) -> None:
+        self.process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.records = self.checkpoints = self.retries = 0
+        self.assigned: list[int] | None = None
+        self.tail: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            with self.changed:
+                self.tail = (self.tail + [line])[-20:]
+                found = PROGRESS.search(line)
+                if found:
+                    self.records = int(found.group(1).replace(",", ""))
+                    self.retries = int(found.group(2) or 0)  # cumulative
+                    self.checkpoints += 1
+                assigned = ASSIGNED.search(line)
+                if assigned:
+                    self.assigned = json.loads(assigned.group(1))
+                self.changed.notify_all()
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        if self.process.wait(timeout=60) not in (0, 143):
+            raise RuntimeError(f"a member exited {self.process.returncode}: {''.join(self.tail)}")
+
+
+def wait_for(condition, what: str, members: list[Member]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline or any(m.process.poll() is not None for m in members):
+            for member in members:
+                member.process.kill()
+            raise SystemExit(f"gave up waiting for {what}: " + " | ".join("".join(m.tail[-3:]) for m in members))
+        time.sleep(0.05)
+
+
+def scale_out(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, int, int]:
+    """A group of `processes` ingest processes, formed; then --messages produced: (seconds until all are committed,
+    checkpoints, commit retries)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
     env["PARTFIN_HOME"] = str(home)
-    command = [sys.executable, "-m", "partfin_assets.cli", "ingest", "--table", "orders", "--source", source,
-               "--primary-key", "id", "--checkpoint-records", str(checkpoint_records)]
+    cluster.create_topic(topic, options.partitions)
+    source = f"kafka:{cluster.bootstrap_servers}#{topic},group={topic},{GROUP}"
+    command = [sys.executable, "-m", "partfin_assets.cli", "-v", "ingest", "--table", "orders", "--source", source,
+               "--primary-key", "id", "--checkpoint-records", str(options.checkpoint_records), "--follow"]
+    members = [Member(command, env) for _ in range(processes)]
+    share = -(-options.partitions // processes)  # each member's share once the group is formed
+    wait_for(lambda: all(m.assigned is not None and 0 < len(m.assigned) <= share for m in members)
+             and sum(len(m.assigned) for m in members) == options.partitions, "the group to form", members)
+    messages = events(options.messages)
     started = time.perf_counter()
-    running = [subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-               for _ in range(processes)]
-    outputs = [p.communicate() for p in running]
+    produce(cluster, messages, topic=topic)
+    wait_for(lambda: sum(m.records for m in members) >= options.messages, "every event committed", members)
     seconds = time.perf_counter() - started
-    checkpoints = retries = 0
-    for process, (_, stderr) in zip(running, outputs):
-        if process.returncode != 0:
-            raise RuntimeError(f"{processes} processes: one exited {process.returncode}: {stderr[-2000:]}")
-        lines = PROGRESS.findall(stderr)
-        checkpoints += len(lines)
-        retries += int(lines[-1] or 0) if lines else 0  # cumulative per process
+    for member in members:
+        member.stop()
     rows = load_partfin_catalog(home).load_table("cdc.orders").scan(selected_fields=("source_log", "source_seq")).to_arrow()
     once = len(set(zip(rows.column("source_log").to_pylist(), rows.column("source_seq").to_pylist())))
-    if rows.num_rows != expected or once != expected:
-        raise RuntimeError(f"{processes} processes: {rows.num_rows} records at {once} positions, not {expected} once each")
-    return seconds, checkpoints, retries
+    if rows.num_rows != options.messages or once != options.messages:
+        raise RuntimeError(f"{processes} processes: {rows.num_rows} records at {once} positions, not {options.messages} once each")
+    return seconds, sum(m.checkpoints for m in members), sum(m.retries for m in members)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=60_000)
-    parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--partitions", type=int, default=64)  # the mock keeps 5 MB per partition
     parser.add_argument("--checkpoint-records", type=int, default=5_000)
     parser.add_argument("--processes", default="1,2,4", help="process counts to compare, the first is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
@@ -78,14 +127,9 @@ def main() -> None:
     rates: dict[int, list[float]] = {n: [] for n in counts}
     retries: dict[int, list[float]] = {n: [] for n in counts}
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
-        cluster.create_topic(TOPIC, options.partitions)
-        produce(cluster, events(options.messages))
-        check_retention(cluster, options.partitions)
         for repeat in range(options.repeats):
             for n in counts:
-                home = Path(tmp) / f"{n}-{repeat}"
-                source = f"kafka:{cluster.bootstrap_servers}#{TOPIC},group=bench-{n}-{repeat},{GROUP}"
-                seconds, checkpoints, lost = scale_out(home, source, n, options.checkpoint_records, options.messages)
+                seconds, checkpoints, lost = scale_out(cluster, f"orders-{n}-{repeat}", Path(tmp) / f"{n}-{repeat}", n, options)
                 rates[n].append(options.messages / seconds)
                 retries[n].append(lost / max(checkpoints, 1))
 

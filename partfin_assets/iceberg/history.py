@@ -116,11 +116,11 @@ def _position(snapshot: Snapshot, summary: Mapping[str, str]) -> WriterPosition:
     )
 
 
-def last_writer_position(metadata: TableMetadata, writer_id: str) -> WriterPosition | None:
-    """The newest checkpoint this writer committed (expiry always keeps it)."""
+def last_writer_position(metadata: TableMetadata, writer_id: str, stream_id: str | None = None) -> WriterPosition | None:
+    """The newest checkpoint this writer committed (expiry always keeps it); with `stream_id`, of that progress stream."""
     for snapshot in lineage(metadata):
         summary = summary_of(snapshot)
-        if summary.get(K.WRITER_ID) == writer_id and K.CHECKPOINT_ID in summary:
+        if summary.get(K.WRITER_ID) == writer_id and K.CHECKPOINT_ID in summary and stream_id in (None, commit_stream(summary)):
             return _position(snapshot, summary)
     return None
 

@@ -89,7 +89,8 @@ def writer_position(metadata: TableMetadata, writer_id: str) -> CommittedPositio
     text = metadata.properties.get(K.PROP_WRITER_PREFIX + writer_id)
     if text:
         return _decode_position(text)
-    legacy = last_writer_position(metadata, writer_id)  # written before positions were properties
+    # written before positions were properties (a partition's checkpoint is not the writer's own)
+    legacy = last_writer_position(metadata, writer_id, writer_id)
     return CommittedPosition(legacy.checkpoint_id, legacy.source_offset) if legacy else NO_POSITION
 
 

@@ -262,6 +262,12 @@ class CdcWriter:
             self._erasures = load_erasures(self.catalog, self.spec)
         return self._erasures
 
+    def _refresh_positions(self, source: CdcSource) -> str | None:
+        """The committed positions as the table holds them now (other processes commit partitions too): taken, and
+        returned as the offset to read `source` from."""
+        self._positions = positions_of(self.catalog.load_table(self.spec.cdc_identifier).metadata, self.writer_id)
+        return self.start_offset(source)
+
     def expect_positions(self, start: dict[str, CommittedPosition]) -> None:
         """The next checkpoints go on from `start` (where their batches were read, maybe by another process): if anyone
         committed one of their streams since, its commit is fenced."""
@@ -598,6 +604,8 @@ class CdcWriter:
     def _batches(self, source: CdcSource, max_records: int) -> Iterator[ChangeBatch]:
         """The source's batches from this writer's position, each noting the identity and partitions recorded with it."""
         assigned_streams = source.assigned_streams if isinstance(source, ReadsPartitions) else None
+        if isinstance(source, ReadsPartitions):  # a partition assigned later resumes where the table stands then
+            source.resume_assigned_from(lambda: self._refresh_positions(source))
         batches = source.batches(self.start_offset(source), max_records)
         try:
             for batch in batches:

@@ -11,7 +11,7 @@ history can be read again (a generator, a file) reads it for replays (`history`)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
@@ -191,6 +191,11 @@ class DiscoversColumns(Protocol):
 class ReadsPartitions(Protocol):
     def assigned_streams(self) -> list[str]:
         """The source partitions read now (Kafka: `<topic>-<partition>`), each a progress stream of the table."""
+        ...
+
+    def resume_assigned_from(self, committed_offset: Callable[[], str | None]) -> None:
+        """Where partitions assigned from now on are read from: `committed_offset()`, called at each assignment (the
+        table's offsets then: another reader of the group may have committed a partition since this one read it)."""
         ...
 
     def joined_offset(self, offsets: list[str]) -> str:

@@ -309,6 +309,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         self._pending: dict[int, _Pending] = {}
         self._fatal: str | None = None
         self._committed: dict[int, int] = {}  # next offset per partition as the table holds it, for the group
+        self._committed_offset: Callable[[], str | None] | None = None  # the table's offsets, read at each assignment
         self._consumer: Consumer | None = self._new_consumer()  # a bad property is one clear error before anything is created
         self._subscribed = False
         self._cluster_id: str = self._metadata().cluster_id  # an unknown topic too: before anything is created
@@ -485,8 +486,16 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             self._subscribed = True
         return self._consumer
 
+    def resume_assigned_from(self, committed_offset: Callable[[], str | None]) -> None:
+        self._committed_offset = committed_offset
+
     def _on_assign(self, consumer, partitions) -> None:
         self._assigned = {tp.partition for tp in partitions}
+        fresh = self._committed_offset() if self._committed_offset is not None else None
+        if fresh:  # another member may have committed these partitions since this one last read them
+            table_positions = KafkaOffset.parse(fresh, self.spec.topic).partitions
+            for partition in self._assigned & table_positions.keys():
+                self._positions[partition] = self._committed[partition] = table_positions[partition]
         consumer.assign([self._at_position(p) for p in sorted(self._assigned)])  # where the table says, never the group
         self._at_end &= self._assigned
         log.info("kafka source %s: assigned partitions %s", self.spec.display, sorted(self._assigned))
