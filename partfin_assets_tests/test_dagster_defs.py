@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import re
+import struct
 
 import pytest
 from dagster import (
@@ -90,6 +92,7 @@ def test_definitions_declare_three_layers_per_table():
 
 CDC, BASE = AssetKey("cdc_orders"), AssetKey("base_orders")
 FINALIZED, ACTIVITY = AssetKey("finalized_orders"), AssetKey("activity_orders_hourly")
+REPORT = AssetKey("report_orders")
 STREAM_START_US = 1767225600_000_000  # START
 
 
@@ -166,10 +169,19 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     # per-commit facts are a table-level series
     observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(CDC, limit=1000).records]
     assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
-    # the finalization report as markdown on cdc_orders: the UI renders it, no path on the server's disk
-    (report,) = [m["finalization_report"] for m in observed if "finalization_report" in m]
-    assert report.value.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report.value
-    assert "| hour (UTC) | final | finalization lag | late records |" in report.value
+    # the finalization report as markdown, its plots PNG data: URIs, the one event of report_orders (its overview shows
+    # the latest observation's metadata): the UI renders it, no path on the server's disk
+    assert not any("finalization_report" in m for m in observed)
+    (reported,) = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(REPORT, limit=10).records]
+    report = reported["finalization_report"].value
+    assert report.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report
+    assert "| hour (UTC) | final | finalization lag | late records |" in report
+    plots = re.findall(r"!\[([^\]]+)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", report)
+    assert [title for title, _ in plots] == ["Watermark over wall time", "Finalization lag per hour (h)", "Late records per hour"]
+    for _, data in plots:  # a real PNG each, of the size asked (small: the report is stored on every refresh)
+        png = base64.b64decode(data)
+        assert png.startswith(b"\x89PNG") and struct.unpack(">II", png[16:24]) == (600, 224) and len(png) < 40_000
+    assert reported["table"].value == "cdc.orders" and "finalized through" in reported
     # the checks ran in the sync run itself: the UI shows them on the latest materialization
     in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
     assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input", "writer_clocks"}

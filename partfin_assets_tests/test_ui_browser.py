@@ -53,6 +53,9 @@ SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster
                              "amendment it ran for and why; run_for, reason per event",
     "7b-late-data-rerun-run.png": "the re-run's run page, View tags and config: job activity_orders_job, partfin/run-for amendment, "
                                   "partfin/reason \"late data: N record(s) reached hour ... after it was final\"",
+    "8-finalization-report.png": "report_orders overview, finalization_report opened ([Show Markdown]): the report's "
+                                 "facts and its plots rendered in the page: watermark over wall time, finalization lag per "
+                                 "hour, late records per hour",
     "10-cdc-automation.png": "cdc_orders overview, Automation details: sensor sync_orders_sensor",
     "11-base-automation.png": "base_orders overview, Automation details: sensor sync_orders_sensor",
     "12-finalized-recorded-by.png": "finalized_orders overview: recorded_by sensor finalize_orders_sensor (a runless asset: "
@@ -120,7 +123,7 @@ def late_rerun(instance):
     return runs[0] if runs else None
 
 
-REPORT = """{ assetOrError(assetKey: {path: ["cdc_orders"]}) { ... on Asset { assetObservations(limit: 200) {
+REPORT = """{ assetOrError(assetKey: {path: ["report_orders"]}) { ... on Asset { assetObservations(limit: 1) {
   metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
 
 
@@ -132,7 +135,7 @@ def graphql(port: int, query: str) -> dict:
 
 
 def report_markdown(port: int) -> str | None:
-    """The newest finalization report of cdc_orders, as the webserver serves it over HTTP (markdown metadata)."""
+    """The newest finalization report (report_orders' markdown metadata), as the webserver serves it over HTTP."""
     for observation in graphql(port, REPORT)["assetOrError"]["assetObservations"]:
         for entry in observation["metadataEntries"]:
             if entry["label"] == "finalization_report":
@@ -320,11 +323,24 @@ def test_demo_in_chromium(tmp_path):
             run_page = page.inner_text("body")
             assert "__ASSET_JOB" not in run_page and "late data: " in run_page and "amendment" in run_page
             page.keyboard.press("Escape")
-            # the finalization report in Dagster itself: markdown metadata of cdc_orders' latest report observation,
-            # fetched with a plain HTTP request (the webserver's GraphQL API)
-            report = wait(lambda: report_markdown(port), "the finalization report")
+            # 8: the finalization report in Dagster itself, a remote browser's view: report_orders' overview shows its
+            # latest observation's metadata; [Show Markdown] opens the report, its three plots rendered (data: URIs)
+            report = wait(lambda: report_markdown(port), "the finalization report")  # over HTTP: the webserver's GraphQL
             assert "### Watermark vs wall clock" in report and "| hour (UTC) | final | finalization lag | late records |" in report
             assert re.search(r"\| \S+Z \| yes \| (\d+ h \d+ min|\d+ min( \d+ s)?|\d+ s) \| \d+ \|", report)  # lag as a duration
+            page.goto(f"{base_url}/assets/report_orders", wait_until="domcontentloaded")
+            page.locator("td").get_by_text("[Show Markdown]", exact=True).first.click(timeout=60_000)
+            plots = ["Watermark over wall time", "Finalization lag per hour (h)", "Late records per hour"]
+            for title in plots:
+                page.get_by_role("img", name=title).wait_for(timeout=60_000)
+            page.wait_for_function("titles => titles.every(t => [...document.images].some(i => i.alt === t && i.complete "
+                                   "&& i.naturalWidth === 600))", arg=plots, timeout=60_000)
+            page.get_by_role("img", name=plots[0]).scroll_into_view_if_needed()
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(shots / "8-finalization-report.png"))
+            shown_report = page.inner_text("body")
+            assert "Finalization of cdc.orders" in shown_report and "Watermark vs wall clock" in shown_report
+            page.keyboard.press("Escape")
             # 10-13: each asset's overview names the sensor that drives it (Automation details links it; finalized: recorded_by)
             recorded_by = open_page("/assets/finalized_orders", ["recorded_by"], "12-finalized-recorded-by.png")
             assert "sensor finalize_orders_sensor" in recorded_by

@@ -63,6 +63,11 @@ class PartfinTable:
         return self.layer_key("finalized")
 
     @property
+    def report_key(self) -> AssetKey:
+        """The finalization report: an observable asset whose latest observation is the report (sync runs refresh it)."""
+        return self.layer_key("report")
+
+    @property
     def activity_key(self) -> AssetKey:
         return self.layer_key("activity", "_hourly")
 
