@@ -143,11 +143,15 @@ def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
     )
 
 
-def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun], acks: Mapping[int, LateAck]) -> dict[int, int]:
+def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun], acks: Mapping[int, LateAck],
+                    first_hour_us: int | None = None) -> dict[int, int]:
     """hour -> late records its latest downstream run has not seen (every late record when it never ran) and no
-    acknowledgement covers (finalization/late_acks.py)."""
+    acknowledgement covers (finalization/late_acks.py). Hours before `first_hour_us`, the downstream's first hour
+    partition, have no downstream run to redo (the finalization sensor requests none): they need no attention."""
     out = {}
     for hour, entry in late.items():
+        if first_hour_us is not None and hour < first_hour_us:
+            continue
         run = runs.get(hour)
         missed = entry.commits if run is None else late_after_run(late, hour, run.sequence_number, run.ran_at_us)
         missed = unacknowledged(entry, missed, acks)
@@ -157,26 +161,29 @@ def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamR
 
 
 def late_data_outcome(
-    catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]
+    catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]], first_hour_us: int | None = None
 ) -> CheckOutcome:
     """WARN while an hour holds late records its downstream partition has not (re-)run with and nobody acknowledged;
     the ledger is the evidence.
 
-    `downstream_runs(hours)`: the latest downstream run of each hour. Totals (late_records,
-    late_partitions) are the whole history's, as `partfin status` shows them.
+    `downstream_runs(hours)`: the latest downstream run of each hour; `first_hour_us`: the downstream's first hour
+    partition (late records before it are counted, never open). Totals (late_records, late_partitions) are the whole
+    history's, as `partfin status` shows them.
     """
     late = late_data(catalog, f"cdc.{name}")  # the durable ledger: outlives snapshot expiry
     if not late:
         return CheckOutcome(True, "no late records", metadata={"late_records": 0, "late_partitions": 0})
     total = sum(h.records for h in late.values())
     acks = acks_of(catalog.load_table(f"cdc.{name}").properties)
-    open_hours = open_late_hours(late, downstream_runs(sorted(late)), acks)
+    open_hours = open_late_hours(late, downstream_runs(sorted(late)), acks, first_hour_us)
     acknowledged = acknowledged_hours(late, acks)
+    before = {h: e.records for h, e in late.items() if first_hour_us is not None and h < first_hour_us}
     newest = sorted(late.values(), key=lambda h: h.hour_us)[-MAX_LISTED:]
     metadata = {
         "late_records": total,
         "late_partitions": len(late),
         "open_late_records": sum(open_hours.values()),
+        "late_records_before_partitions": sum(before.values()),  # hours the downstream never runs: nothing to re-run
         "partitions_to_rerun": [hour_key(h) for h in sorted(open_hours)][-MAX_LISTED:],
         "acknowledged_partitions": {hour_key(h): a.as_dict() for h, a in sorted(acknowledged.items())[-MAX_LISTED:]},
         "by_partition": {hour_key(h.hour_us): h.records for h in newest},
@@ -184,7 +191,9 @@ def late_data_outcome(
     }
     if not open_hours:
         return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s), "
-                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)",
+                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)"
+                            + (f"; {sum(before.values())} in {len(before)} hour(s) before the downstream partitions start"
+                               if before else ""),
                             metadata=metadata)
     listed = sorted(open_hours)[-MAX_LISTED:]
     lateness = late_lateness(catalog, name, {h: late[h] for h in listed})
@@ -222,12 +231,13 @@ def late_lateness(catalog: Catalog, name: str, late: Mapping[int, LateHour]) -> 
     return out
 
 
-def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]) -> CheckOutcome:
+def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]],
+                        first_hour_us: int | None = None) -> CheckOutcome:
     """Late records that arrived after an hour's downstream partition ran (hours never run are not listed)."""
     late = late_data(catalog, f"cdc.{name}")
     runs = downstream_runs(sorted(late)) if late else {}
     acks = acks_of(catalog.load_table(f"cdc.{name}").properties) if late else {}
-    stale = {h: n for h, n in open_late_hours(late, runs, acks).items() if h in runs}
+    stale = {h: n for h, n in open_late_hours(late, runs, acks, first_hour_us).items() if h in runs}
     if not stale:
         return CheckOutcome(True, "no late data after any partition ran")
     keys = [hour_key(h) for h in sorted(stale)][-MAX_LISTED:]
