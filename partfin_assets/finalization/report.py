@@ -171,7 +171,10 @@ def _hour_series(picture: FinalizationPicture) -> dict[str, list[float]]:
 
 
 def _draw_bars(ax, times: list[datetime], values: list[float], title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.bar(times, values, width=1 / 30)  # days: a bar of two minutes per hour keeps hours apart
+    ax.yaxis.set_major_locator(MaxNLocator(integer=not title.endswith("(h)")))  # counts: no 0.5 record
     ax.set_title(title)
     ax.set_xlabel("event hour (UTC)")
 

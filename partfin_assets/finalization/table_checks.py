@@ -32,6 +32,7 @@ from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.watermark.registry import table_policy
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
 # the one phrase for the hours that need attention: the late_data check, `partfin status` and the UI say it alike
@@ -73,7 +74,10 @@ def _iso(us: int | None) -> str | None:
 def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us: int | None = None) -> CheckOutcome:
     """The watermark trails now by at most the limits, or the writer is catching up: it committed recently, its source
     clock gains on the wall clock, and the watermark trails the newest record it committed by at most the limits (a
-    backlog being read is healthy; a writer that stopped, or reads a source stuck in the past, is not)."""
+    backlog being read is healthy; a writer that stopped, or reads a source stuck in the past, is not). While the
+    table's policy has not learned yet (late-budget's first commits: the ledger rows it learns from are recorded a few
+    checkpoints at a time, so a new table's first sync run commits on the fallback) the distance to the newest record
+    is the fallback's, not a fault: a catch-up passes whatever it is."""
     cdc = load_table_if_exists(catalog, f"cdc.{name}")
     watermark = watermark_of(cdc.properties) if cdc is not None else None
     if watermark is None:
@@ -88,12 +92,15 @@ def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us
     if newest is not None and lag > limits.lag_warn_seconds:
         committed_us, newest_event_us = newest
         behind_newest = lag_seconds(watermark, newest_event_us)
-        if lag_seconds(committed_us, now) <= limits.live_writer_seconds and behind_newest <= limits.lag_warn_seconds:
+        policy = table_policy(cdc.properties)
+        learning = policy.state_property is not None and policy.learning(policy.load_state(cdc.properties.get(policy.state_property)))
+        if lag_seconds(committed_us, now) <= limits.live_writer_seconds and (behind_newest <= limits.lag_warn_seconds or learning):
             backlog = lag_seconds(newest_event_us, now)
             return CheckOutcome(True, f"catching up: watermark {iso_z(watermark)} trails the newest record committed by "
-                                f"{format_duration(behind_newest)}; the writer is {format_duration(backlog)} behind now",
+                                f"{format_duration(behind_newest)}; the writer is {format_duration(backlog)} behind now"
+                                + (f"; policy {policy} has not learned yet (it runs on its fallback)" if learning else ""),
                                 metadata={**metadata, "catching_up": True, "behind_newest_record": format_duration(behind_newest),
-                                          "backlog": format_duration(backlog)})
+                                          "backlog": format_duration(backlog), "policy_learning": learning})
     return CheckOutcome(
         passed=lag <= limits.lag_warn_seconds,
         severity=ERROR if lag > limits.lag_error_seconds else WARN,
