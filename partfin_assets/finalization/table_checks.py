@@ -197,11 +197,12 @@ def late_data_outcome(
         "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
     }
     if not open_hours:
-        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s), "
-                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)"
-                            + (f"; {sum(before.values())} in {len(before)} hour(s) before the downstream partitions start"
-                               if before else ""),
-                            metadata=metadata)
+        handled = len(late) - len(before)
+        parts = ([f"{handled} re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)"] if handled else []) + (
+            [f"{len(before)} before the downstream partitions start ({sum(before.values())} record(s), nothing to re-run)"]
+            if before else [])
+        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s): "
+                            + "; ".join(parts), metadata=metadata)
     listed = sorted(open_hours)[-MAX_LISTED:]
     lateness = late_lateness(catalog, name, {h: late[h] for h in listed})
     metadata["lateness_of_open_hours"] = {hour_key(h): lateness[h] for h in listed if h in lateness}
