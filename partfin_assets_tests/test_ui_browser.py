@@ -43,7 +43,8 @@ SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster
                          "cdc_orders -> base_orders -> finalized_orders -> activity_orders_hourly, each node named by layer and table",
     "2-cdc-hour-totals.png": "cdc_orders, the hour that finalized live: its finality line on top (final since when, late data "
                              "after), the whole hour's totals, arrival delay p50/p99/max and finalization_lag as durations",
-    "3-cdc-checks.png": "cdc_orders checks on the latest materialization (late_data, watermark_fresh 'catching up', ...)",
+    "3-cdc-checks.png": "cdc_orders Checks tab: the five checks with their latest results (none 'Not evaluated'); late_data's "
+                        "latest execution: its description and metadata (late_records_before_partitions among them)",
     "4-late-data-warn-history.png": "the late_data check's execution history: the WARN naming the hours with \"late records "
                                     "neither re-run downstream nor acknowledged\" and how long after the hour was final they came",
     "5-base-hour-finality.png": "base_orders, the hour that finalized live: its partition's finality line (final since when, "
@@ -51,8 +52,9 @@ SCREENSHOTS = {  # what each screenshot shows (printed by the test; docs/dagster
     "6-finalized-partitions.png": "finalized_orders: the finalized hours as materialized partitions",
     "7-late-data-rerun.png": "activity_orders_hourly: the downstream hour re-run for late data: its finality line names the "
                              "amendment it ran for and why; run_for, reason per event",
-    "7b-late-data-rerun-run.png": "the re-run's run page, View tags and config: job activity_orders_job, partfin/run-for amendment, "
-                                  "partfin/reason \"late data: N record(s) reached hour ... after it was final\"",
+    "7b-late-data-rerun-run.png": "the re-run's run page, View tags and config open: partition set activity_orders_job_partition_set, "
+                                  "tags partfin/run-for amendment, partfin/amendment true, partfin/reason \"late data: N record(s) "
+                                  "reached hour ... after it was final\" (the job name behind the dialog is asserted from the page)",
     "8-finalization-report.png": "report_orders overview, finalization_report opened ([Show Markdown]): the report's "
                                  "facts and its plots rendered in the page: watermark over wall time, finalization lag per "
                                  "hour, late records per hour",
