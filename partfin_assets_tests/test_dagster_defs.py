@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import re
+import struct
 
 import pytest
 from dagster import (
@@ -90,6 +92,7 @@ def test_definitions_declare_three_layers_per_table():
 
 CDC, BASE = AssetKey("cdc_orders"), AssetKey("base_orders")
 FINALIZED, ACTIVITY = AssetKey("finalized_orders"), AssetKey("activity_orders_hourly")
+REPORT = AssetKey("report_orders")
 STREAM_START_US = 1767225600_000_000  # START
 
 
@@ -166,10 +169,19 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     # per-commit facts are a table-level series
     observed = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(CDC, limit=1000).records]
     assert any("checkpoint_id" in m and "commit_latency_seconds" in m for m in observed)
-    # the finalization report as markdown on cdc_orders: the UI renders it, no path on the server's disk
-    (report,) = [m["finalization_report"] for m in observed if "finalization_report" in m]
-    assert report.value.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report.value
-    assert "| hour (UTC) | final | finalization lag | late records |" in report.value
+    # the finalization report as markdown, its plots PNG data: URIs, the one event of report_orders (its overview shows
+    # the latest observation's metadata): the UI renders it, no path on the server's disk
+    assert not any("finalization_report" in m for m in observed)
+    (reported,) = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(REPORT, limit=10).records]
+    report = reported["finalization_report"].value
+    assert report.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report
+    assert "| hour (UTC) | final | finalization lag | late records |" in report
+    plots = re.findall(r"!\[([^\]]+)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", report)
+    assert [title for title, _ in plots] == ["Watermark over wall time", "Finalization lag per hour (h)", "Late records per hour"]
+    for _, data in plots:  # a real PNG each, of the size asked (small: the report is stored on every refresh)
+        png = base64.b64decode(data)
+        assert png.startswith(b"\x89PNG") and struct.unpack(">II", png[16:24]) == (600, 224) and len(png) < 40_000
+    assert reported["table"].value == "cdc.orders" and "finalized through" in reported
     # the checks ran in the sync run itself: the UI shows them on the latest materialization
     in_run = {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
     assert {c for k, c in in_run if k == CDC} == {"watermark_fresh", "watermark_monotonic", "late_data", "rejected_input", "writer_clocks"}
@@ -366,3 +378,37 @@ def test_each_finalized_hour_is_an_iceberg_tag_other_engines_read(synced):
     status = {s.name: s for s in all_table_status(catalog)}["base.orders"]
     assert status.finalized_tags == len(expected) and status.newest_finalized_tag == newest
     assert status.metadata_location == catalog.load_table("base.orders").metadata_location  # what DuckDB reads
+
+
+def test_first_sync_run_of_a_new_table_catching_up_passes_watermark_fresh(tmp_path, monkeypatch):
+    """A new table's first sync run, the demo's start: 7 hours of backlog delivered at once to late-budget:0.001 (the
+    default). Its first commit finds the ledger empty (the writer records ledger rows a few checkpoints at a time), so
+    the whole run commits on the fallback, which a backlog delivered at once holds near its first hour: the watermark
+    trails the newest record by hours. A catch-up, not a fault: watermark_fresh passes and says the policy is learning
+    (it WARNed before), in this run and the next."""
+    from datetime import UTC, datetime, timedelta
+
+    from partfin_assets.defs import build_definitions
+    from partfin_assets.defs.tables import PartfinTable
+
+    now = datetime.now(UTC)
+    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=7)
+    for key, value in {"PARTFIN_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
+                       # the browser test's demo: 5 h 40 min of history at once, then a 40x event clock
+                       "PARTFIN_SOURCE": f"synthetic:rate=4,late_fraction=0.0005,key_space=1000000,start={start:%Y-%m-%dT%H:%M:%SZ},"
+                                         f"speed=40,speed_since={now:%Y-%m-%dT%H:%M:%SZ},"
+                                         f"speed_event={start + timedelta(hours=5, minutes=40):%Y-%m-%dT%H:%M:%SZ}",
+                       "PARTFIN_PARTITIONS_START": f"{start:%Y-%m-%d-%H:00}", "PARTFIN_MAX_RECORDS": "10000"}.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "dagster").mkdir()
+    defs = build_definitions([PartfinTable(spec=ORDERS_SPEC, source="synthetic")])
+    instance = DagsterInstance.ephemeral()
+    fresh = []
+    for _ in range(2):
+        result = defs.resolve_job_def("sync_orders").execute_in_process(instance=instance)
+        fresh.append({e.check_name: e for e in result.get_asset_check_evaluations()}["watermark_fresh"])
+    first, second = fresh
+    assert first.passed and "catching_up" in first.metadata and first.metadata["policy_learning"].value, (first.description, dict(first.metadata))
+    assert "has not learned yet" in first.description
+    assert second.passed, (second.description, dict(second.metadata))  # learned or not: a catch-up
+    instance.dispose()

@@ -1,6 +1,7 @@
 """Acknowledging late data: the late_data WARN stays until the hours are re-run *or acknowledged*.
 
-A table streams three hours; then late records reach hour 01:00 and 02:00. Acknowledged on the
+A table streams three hours; then late records reach hour 01:00 and 02:00, and 00:00, before the downstream
+partitions start (01:00): no downstream run exists to redo there, so it never needs attention. Acknowledged on the
 command line (`partfin late-data ack`, a subprocess), hour 01:00 is listed as acknowledged by
 `partfin status` and by the late_data check, which WARNs about 02:00 only; acknowledged by the Dagster
 job `acknowledge_late_orders` (run config `all: true`), the check passes. New late records for 01:00
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 T0_MS = int(datetime(2026, 11, 20, tzinfo=UTC).timestamp() * 1000)
 H1, H2 = "2026-11-20-01:00", "2026-11-20-02:00"
 H1_ISO, H2_ISO = "2026-11-20T01:00:00Z", "2026-11-20T02:00:00Z"
+H0_ISO = "2026-11-20T00:00:00Z"  # before the partitions
 
 
 def _late_lines(count: int, hour_ms: int, seen: set[int], seed: int) -> list[str]:
@@ -35,7 +37,7 @@ def _late_check(defs, instance):
 
 
 def _status(home) -> dict:
-    done = partfin(home, "status", "--json")
+    done = partfin(home, "status", "--json", PARTFIN_PARTITIONS_START=H1)  # the code location's environment
     assert done.returncode == 0, done.stderr
     return next(t for t in json.loads(done.stdout)["tables"] if t["name"] == "cdc.orders")
 
@@ -50,7 +52,7 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
     seen: set[int] = set()
     write_lines(path, orders_lines(*stream_of(T0_MS, T0_MS + 4 * HOUR_MS, 2_000, seed=7), seed=7, seen=seen))
     home = tmp_path / "home"
-    for key, value in {"PARTFIN_HOME": str(home), "PARTFIN_SOURCE": f"debezium:{path}", "PARTFIN_PARTITIONS_START": "2026-11-20-00:00",
+    for key, value in {"PARTFIN_HOME": str(home), "PARTFIN_SOURCE": f"debezium:{path}", "PARTFIN_PARTITIONS_START": H1,
                        "PARTFIN_MAX_RECORDS": "250", "PARTFIN_MAX_CHECKPOINTS_PER_RUN": "500", "PARTFIN_MAX_SECONDS_PER_RUN": "600",
                        "DAGSTER_HOME": str(tmp_path / "dagster")}.items():
         monkeypatch.setenv(key, value)
@@ -69,10 +71,12 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
         write_lines(path, tail[:300] + late + tail[300:], append=True)
         assert sync.execute_in_process(instance=instance).success
 
-    late_into([T0_MS + HOUR_MS, T0_MS + 2 * HOUR_MS], seed=8)
+    late_into([T0_MS, T0_MS + HOUR_MS, T0_MS + 2 * HOUR_MS], seed=8)
     check = _late_check(defs, instance)
     assert not check.passed and check.severity == AssetCheckSeverity.WARN
-    assert check.metadata["partitions_to_rerun"].value == [H1, H2]
+    assert check.metadata["partitions_to_rerun"].value == [H1, H2]  # not 00:00: before the partitions, nothing to re-run
+    assert check.metadata["late_records"].value == 18 and check.metadata["late_records_before_partitions"].value == 6
+    assert _status(home)["late_hours_needing_attention"] == {H1: 6, H2: 6} and _status(home)["late_records"] == 18
 
     # refused in one line: an hour without late records, no reason, both --hour and --all
     refused = partfin(home, "late-data", "ack", "--table", "orders", "--hour", "2026-11-20-03:00", "--reason", "known")
@@ -93,7 +97,7 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
     check = _late_check(defs, instance)
     assert not check.passed and check.metadata["partitions_to_rerun"].value == [H2]
     assert list(check.metadata["acknowledged_partitions"].value) == [H1]
-    text = partfin(home, "status").stdout
+    text = partfin(home, "status", PARTFIN_PARTITIONS_START=H1).stdout
     assert f"hour {H1_ISO}: 6 late record(s) acknowledged by alice" in text
     assert f"late records neither re-run downstream nor acknowledged in hour(s) {H2} (6)" in text  # the check's words
 
@@ -102,23 +106,23 @@ def test_acknowledged_late_hours_pass_the_check_until_new_late_records_arrive(tm
         instance=instance, run_config=RunConfig(ops={"ack_late_orders": {"config": {"all": True, "reason": "audited"}}}))
     assert run.success
     in_run = {e.check_name: e for e in run.get_asset_check_evaluations()}["late_data"]
-    assert in_run.passed and sorted(in_run.metadata["acknowledged_partitions"].value) == [H1, H2]
+    assert in_run.passed and sorted(in_run.metadata["acknowledged_partitions"].value) == ["2026-11-20-00:00", H1, H2]
     assert _late_check(defs, instance).passed
     status = _status(home)
-    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H1_ISO, H2_ISO] and status["late_hours_needing_attention"] == {}
+    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H0_ISO, H1_ISO, H2_ISO] and status["late_hours_needing_attention"] == {}
     assert all(a["by"] == f"dagster run {run.run_id}" and a["reason"] == "audited" for a in status["acknowledged_late_hours"])
     # durably in the catalog: a property of cdc.orders per hour
     properties = load_partfin_catalog(home).load_table("cdc.orders").properties
-    assert {k for k in properties if k.startswith("partfin.late-data.ack.")} == {f"partfin.late-data.ack.{H1_ISO}", f"partfin.late-data.ack.{H2_ISO}"}
+    assert {k for k in properties if k.startswith("partfin.late-data.ack.")} == {f"partfin.late-data.ack.{h}" for h in (H0_ISO, H1_ISO, H2_ISO)}
 
     # new late records for 01:00 after the acknowledgement: the WARN is back, for 01:00 only
     late_into([T0_MS + HOUR_MS], seed=9)
     check = _late_check(defs, instance)
     assert not check.passed and check.severity == AssetCheckSeverity.WARN
     assert check.metadata["partitions_to_rerun"].value == [H1] and check.metadata["open_late_records"].value == 6
-    assert list(check.metadata["acknowledged_partitions"].value) == [H2]
+    assert list(check.metadata["acknowledged_partitions"].value) == ["2026-11-20-00:00", H2]
     status = _status(home)
-    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H2_ISO] and status["late_hours_needing_attention"] == {H1: 6}
+    assert [a["hour"] for a in status["acknowledged_late_hours"]] == [H0_ISO, H2_ISO] and status["late_hours_needing_attention"] == {H1: 6}
     # a bad config of the job fails in one line
     bad = defs.resolve_job_def("acknowledge_late_orders").execute_in_process(
         instance=instance, raise_on_error=False,

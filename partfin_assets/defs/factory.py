@@ -13,7 +13,7 @@ from partfin_assets.defs.maintenance.jobs import build_compaction_job, build_mai
 from partfin_assets.defs.platform.compaction_fanout import build_compaction_fanout_job
 from partfin_assets.defs.platform.ingest_fanout import build_ingest_fanout_job
 from partfin_assets.defs.platform.ingest_members import build_ingest_members_job
-from partfin_assets.defs.platform.sync import build_platform_assets, build_sync_job, build_sync_sensor
+from partfin_assets.defs.platform.sync import build_platform_assets, build_sync_job, build_sync_sensor, report_spec
 from partfin_assets.defs.platform.upsert_fanout import build_upsert_job
 from partfin_assets.defs.tables import PartfinTable
 
@@ -26,10 +26,11 @@ def table_definitions(table: PartfinTable) -> Definitions:
     maintenance_job, maintenance_schedule = build_maintenance_job(table)
     measurement_job, measurement_schedule = build_policy_measurement_job(table)
     return Definitions(
-        assets=[build_platform_assets(table), finalized_spec(table), activity],
+        assets=[build_platform_assets(table), finalized_spec(table), report_spec(table), activity],
         asset_checks=checks,
         jobs=[
-            sync_job, build_ingest_fanout_job(table), build_ingest_members_job(table), build_upsert_job(table), activity_job, checks_job, compaction_job,
+            sync_job, build_ingest_fanout_job(table), build_ingest_members_job(table), build_upsert_job(table), activity_job,
+            checks_job, compaction_job,
             build_compaction_fanout_job(table), build_privacy_job(table), maintenance_job, build_acknowledge_job(table),
             measurement_job,
         ],

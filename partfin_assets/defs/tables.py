@@ -11,11 +11,9 @@ from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, Hourly
 
 from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.jobs.maintenance import MAINTENANCE_ORPHAN_AGE_S
-from partfin_assets.model.settings import Settings
+from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC
-
-DEFAULT_PARTITIONS_START = "2026-01-01-00:00"
 
 
 @dataclass(frozen=True)
@@ -61,6 +59,11 @@ class PartfinTable:
     def finalized_key(self) -> AssetKey:
         """The well-known key downstream teams subscribe to: one runless event per finalized hour."""
         return self.layer_key("finalized")
+
+    @property
+    def report_key(self) -> AssetKey:
+        """The finalization report: an observable asset whose latest observation is the report (sync runs refresh it)."""
+        return self.layer_key("report")
 
     @property
     def activity_key(self) -> AssetKey:

@@ -12,7 +12,9 @@ Everything is read from the late-data ledger and table properties (no data files
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -117,14 +119,17 @@ MARKDOWN_ROWS = 24  # hours and watermark steps a markdown report lists (the new
 
 
 def markdown_report(picture: FinalizationPicture) -> str:
-    """The report as markdown, for Dagster's metadata (the UI renders it: no file on the server's disk to open): the
-    facts, the watermark against the wall clock, and per hour its finalization lag, late records and records.
-    Durations as durations; the newest rows only."""
+    """The report as markdown, for Dagster's metadata (the UI renders it, images included: no file on the server's disk
+    to open): the facts, the plots people need (plot_pngs, as data: URIs, which Dagster's markdown renderer allows),
+    the watermark against the wall clock, and per hour its finalization lag, late records and records. Durations as
+    durations; the newest rows only."""
     facts = picture.facts()
     lines = [f"## Finalization of cdc.{picture.table}", "", "| | |", "|---|---|",
-             *(f"| {k} | {v} |" for k, v in facts.items()), "",
-             "### Watermark vs wall clock", "", "| commit clock (UTC) | watermark (UTC) | watermark trails the wall clock by |",
-             "|---|---|---|"]
+             *(f"| {k} | {v} |" for k, v in facts.items()), ""]
+    for title, png in plot_pngs(picture).items():
+        lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})", ""]
+    lines += ["### Watermark vs wall clock", "", "| commit clock (UTC) | watermark (UTC) | watermark trails the wall clock by |",
+              "|---|---|---|"]
     steps = picture.steps[-MARKDOWN_ROWS:]
     lines += [f"| {iso_z(clock)} | {iso_z(mark)} | {format_duration((clock - mark).total_seconds())} |" for clock, mark in steps]
     lines += ["", "### Per hour: finalization lag, late records", "",
@@ -136,38 +141,85 @@ def markdown_report(picture: FinalizationPicture) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_png(picture: FinalizationPicture, path: Path) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 1, figsize=(11, 15), constrained_layout=True)
-    policy = picture.facts()
-    fig.suptitle(f"cdc.{picture.table}: policy {policy['watermark policy']}, watermark {policy['watermark']}")
-    ax = axes[0]
+    return plt
+
+
+def _draw_watermark(ax, picture: FinalizationPicture) -> None:
     if picture.steps:
         clock, watermark = zip(*picture.steps)
         ax.step(clock, watermark, where="post", label="watermark")
         ax.plot([clock[0], clock[-1]], [clock[0], clock[-1]], linestyle=":", label="wall clock (y = x)")
-        ax.legend()
+        ax.legend(fontsize="small")
     ax.set_title("Watermark over wall time")
     ax.set_xlabel("commit clock (UTC)")
     ax.set_ylabel("watermark (event time, UTC)")
-    times = picture.hour_times
-    width = 1 / 30  # days: a bar of two minutes per hour keeps hours apart
-    for ax, values, title in (
-        (axes[1], [v if v is not None else 0 for v in _lags_hours(picture)], "Finalization lag per hour (h)"),
-        (axes[2], [h.late_records for h in picture.hours], "Late records per hour"),
-        (axes[3], [h.records for h in picture.hours], "Records per hour"),
-    ):
-        ax.bar(times, values, width=width)
-        ax.set_title(title)
-        ax.set_xlabel("event hour (UTC)")
+
+
+def _hour_series(picture: FinalizationPicture) -> dict[str, list[float]]:
+    """The per-hour bars: title -> value per hour (picture.hour_times)."""
+    return {
+        "Finalization lag per hour (h)": [v if v is not None else 0 for v in _lags_hours(picture)],
+        "Late records per hour": [h.late_records for h in picture.hours],
+        "Records per hour": [h.records for h in picture.hours],
+    }
+
+
+def _draw_bars(ax, times: list[datetime], values: list[float], title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.bar(times, values, width=1 / 30)  # days: a bar of two minutes per hour keeps hours apart
+    ax.yaxis.set_major_locator(MaxNLocator(integer=not title.endswith("(h)")))  # counts: no 0.5 record
+    ax.set_title(title)
+    ax.set_xlabel("event hour (UTC)")
+
+
+def write_png(picture: FinalizationPicture, path: Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(4, 1, figsize=(11, 15), constrained_layout=True)
+    policy = picture.facts()
+    fig.suptitle(f"cdc.{picture.table}: policy {policy['watermark policy']}, watermark {policy['watermark']}")
+    _draw_watermark(axes[0], picture)
+    for ax, (title, values) in zip(axes[1:], _hour_series(picture).items()):
+        _draw_bars(ax, picture.hour_times, values, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+MARKDOWN_PLOTS = ("Watermark over wall time", "Finalization lag per hour (h)", "Late records per hour")
+PLOT_SIZE_INCHES, PLOT_DPI, PLOT_COLORS = (7.5, 2.8), 80, 32  # 600 x 224 px, a 32-colour palette: a few kB per plot
+
+
+def plot_pngs(picture: FinalizationPicture) -> dict[str, bytes]:
+    """The plots people need most, one small PNG each (title -> bytes), for the markdown report: watermark vs wall clock,
+    finalization lag per hour, late records per hour (the newest MARKDOWN_ROWS hours)."""
+    from PIL import Image
+
+    plt = _pyplot()
+    recent = FinalizationPicture(picture.table, picture.policy, picture.watermark_us, picture.steps, picture.hours[-MARKDOWN_ROWS:])
+    series = _hour_series(recent)
+    out = {}
+    for title in MARKDOWN_PLOTS:
+        fig, ax = plt.subplots(figsize=PLOT_SIZE_INCHES, constrained_layout=True)
+        if title in series:
+            _draw_bars(ax, recent.hour_times, series[title], title)
+        else:
+            _draw_watermark(ax, recent)
+        ax.tick_params(labelsize="small")
+        raw = io.BytesIO()
+        fig.savefig(raw, dpi=PLOT_DPI, format="png")
+        plt.close(fig)
+        small = io.BytesIO()  # a palette image: line plots need few colours, and the report is stored on every refresh
+        Image.open(raw).convert("RGB").quantize(colors=PLOT_COLORS).save(small, format="PNG", optimize=True)
+        out[title] = small.getvalue()
+    return out
 
 
 def write_report(picture: FinalizationPicture, out_dir: Path) -> tuple[Path, Path]:

@@ -63,8 +63,9 @@ class TableStatus:
         return asdict(self)
 
 
-def table_status(identifier: str, table: Table, rejected: Table | None = None) -> TableStatus:
-    """The status of cdc.<t> or base.<t>; `rejected` is its __rejected table, if it has one."""
+def table_status(identifier: str, table: Table, rejected: Table | None = None, first_hour_us: int | None = None) -> TableStatus:
+    """The status of cdc.<t> or base.<t>; `rejected` is its __rejected table, if it has one; `first_hour_us` the
+    downstream's first hour partition (late records before it need no re-run, as the late_data check says)."""
     properties = table.properties
     watermark = properties.get(K.PROP_WATERMARK)
     checkpoint_id = None
@@ -78,7 +79,8 @@ def table_status(identifier: str, table: Table, rejected: Table | None = None) -
     late = late_data(table.catalog, identifier) if is_cdc else {}
     acks = acks_of(properties)
     acknowledged = acknowledged_hours(late, acks)
-    attention = open_late_hours(late, downstream_read_points(table.catalog, identifier.split(".", 1)[1], sorted(late)), acks) if late else {}
+    runs = downstream_read_points(table.catalog, identifier.split(".", 1)[1], sorted(late)) if late else {}
+    attention = open_late_hours(late, runs, acks, first_hour_us) if late else {}
     load = bucket_load(table) if not is_cdc else None
     grow = load.recommended_buckets if load is not None else None
     tags = finalized_tags(table) if not is_cdc else []
@@ -150,7 +152,7 @@ def stream_status(table: Table, now_us: int | None = None) -> list[dict]:
     return rows
 
 
-def all_table_status(catalog: Catalog) -> list[TableStatus]:
+def all_table_status(catalog: Catalog, first_hour_us: int | None = None) -> list[TableStatus]:
     out = []
     for namespace in ("cdc", "base"):
         try:
@@ -163,7 +165,7 @@ def all_table_status(catalog: Catalog) -> list[TableStatus]:
                 continue
             try:
                 rejected = catalog.load_table(f"{name}{REJECTED_SUFFIX}") if f"{name}{REJECTED_SUFFIX}" in names else None
-                out.append(table_status(name, catalog.load_table(name), rejected))
+                out.append(table_status(name, catalog.load_table(name), rejected, first_hour_us))
             except BrokenTable as exc:  # reported, and every other table still is
                 out.append(TableStatus(name, namespace, None, None, None, None, 0, 0, broken=str(exc)))
     return out

@@ -32,6 +32,7 @@ from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
+from partfin_assets.watermark.registry import table_policy
 
 MAX_LISTED = 24  # hours / commits listed in check metadata
 # the one phrase for the hours that need attention: the late_data check, `partfin status` and the UI say it alike
@@ -73,7 +74,10 @@ def _iso(us: int | None) -> str | None:
 def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us: int | None = None) -> CheckOutcome:
     """The watermark trails now by at most the limits, or the writer is catching up: it committed recently, its source
     clock gains on the wall clock, and the watermark trails the newest record it committed by at most the limits (a
-    backlog being read is healthy; a writer that stopped, or reads a source stuck in the past, is not)."""
+    backlog being read is healthy; a writer that stopped, or reads a source stuck in the past, is not). While the
+    table's policy has not learned yet (late-budget's first commits: the ledger rows it learns from are recorded a few
+    checkpoints at a time, so a new table's first sync run commits on the fallback) the distance to the newest record
+    is the fallback's, not a fault: a catch-up passes whatever it is."""
     cdc = load_table_if_exists(catalog, f"cdc.{name}")
     watermark = watermark_of(cdc.properties) if cdc is not None else None
     if watermark is None:
@@ -88,12 +92,15 @@ def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us
     if newest is not None and lag > limits.lag_warn_seconds:
         committed_us, newest_event_us = newest
         behind_newest = lag_seconds(watermark, newest_event_us)
-        if lag_seconds(committed_us, now) <= limits.live_writer_seconds and behind_newest <= limits.lag_warn_seconds:
+        policy = table_policy(cdc.properties)
+        learning = policy.state_property is not None and policy.learning(policy.load_state(cdc.properties.get(policy.state_property)))
+        if lag_seconds(committed_us, now) <= limits.live_writer_seconds and (behind_newest <= limits.lag_warn_seconds or learning):
             backlog = lag_seconds(newest_event_us, now)
             return CheckOutcome(True, f"catching up: watermark {iso_z(watermark)} trails the newest record committed by "
-                                f"{format_duration(behind_newest)}; the writer is {format_duration(backlog)} behind now",
+                                f"{format_duration(behind_newest)}; the writer is {format_duration(backlog)} behind now"
+                                + (f"; policy {policy} has not learned yet (it runs on its fallback)" if learning else ""),
                                 metadata={**metadata, "catching_up": True, "behind_newest_record": format_duration(behind_newest),
-                                          "backlog": format_duration(backlog)})
+                                          "backlog": format_duration(backlog), "policy_learning": learning})
     return CheckOutcome(
         passed=lag <= limits.lag_warn_seconds,
         severity=ERROR if lag > limits.lag_error_seconds else WARN,
@@ -143,11 +150,15 @@ def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
     )
 
 
-def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun], acks: Mapping[int, LateAck]) -> dict[int, int]:
+def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamRun], acks: Mapping[int, LateAck],
+                    first_hour_us: int | None = None) -> dict[int, int]:
     """hour -> late records its latest downstream run has not seen (every late record when it never ran) and no
-    acknowledgement covers (finalization/late_acks.py)."""
+    acknowledgement covers (finalization/late_acks.py). Hours before `first_hour_us`, the downstream's first hour
+    partition, have no downstream run to redo (the finalization sensor requests none): they need no attention."""
     out = {}
     for hour, entry in late.items():
+        if first_hour_us is not None and hour < first_hour_us:
+            continue
         run = runs.get(hour)
         missed = entry.commits if run is None else late_after_run(late, hour, run.sequence_number, run.ran_at_us)
         missed = unacknowledged(entry, missed, acks)
@@ -157,35 +168,41 @@ def open_late_hours(late: Mapping[int, LateHour], runs: Mapping[int, DownstreamR
 
 
 def late_data_outcome(
-    catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]
+    catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]], first_hour_us: int | None = None
 ) -> CheckOutcome:
     """WARN while an hour holds late records its downstream partition has not (re-)run with and nobody acknowledged;
     the ledger is the evidence.
 
-    `downstream_runs(hours)`: the latest downstream run of each hour. Totals (late_records,
-    late_partitions) are the whole history's, as `partfin status` shows them.
+    `downstream_runs(hours)`: the latest downstream run of each hour; `first_hour_us`: the downstream's first hour
+    partition (late records before it are counted, never open). Totals (late_records, late_partitions) are the whole
+    history's, as `partfin status` shows them.
     """
     late = late_data(catalog, f"cdc.{name}")  # the durable ledger: outlives snapshot expiry
     if not late:
         return CheckOutcome(True, "no late records", metadata={"late_records": 0, "late_partitions": 0})
     total = sum(h.records for h in late.values())
     acks = acks_of(catalog.load_table(f"cdc.{name}").properties)
-    open_hours = open_late_hours(late, downstream_runs(sorted(late)), acks)
+    open_hours = open_late_hours(late, downstream_runs(sorted(late)), acks, first_hour_us)
     acknowledged = acknowledged_hours(late, acks)
+    before = {h: e.records for h, e in late.items() if first_hour_us is not None and h < first_hour_us}
     newest = sorted(late.values(), key=lambda h: h.hour_us)[-MAX_LISTED:]
     metadata = {
         "late_records": total,
         "late_partitions": len(late),
         "open_late_records": sum(open_hours.values()),
+        "late_records_before_partitions": sum(before.values()),  # hours the downstream never runs: nothing to re-run
         "partitions_to_rerun": [hour_key(h) for h in sorted(open_hours)][-MAX_LISTED:],
         "acknowledged_partitions": {hour_key(h): a.as_dict() for h, a in sorted(acknowledged.items())[-MAX_LISTED:]},
         "by_partition": {hour_key(h.hour_us): h.records for h in newest},
         "commits": {hour_key(h.hour_us): [c.snapshot_id for c in h.commits] for h in newest},
     }
     if not open_hours:
-        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s), "
-                            f"each re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)",
-                            metadata=metadata)
+        handled = len(late) - len(before)
+        parts = ([f"{handled} re-run downstream since or acknowledged ({len(acknowledged)} acknowledged)"] if handled else []) + (
+            [f"{len(before)} before the downstream partitions start ({sum(before.values())} record(s), nothing to re-run)"]
+            if before else [])
+        return CheckOutcome(True, f"no hour holds {NEEDS_ATTENTION}: {total} late record(s) in {len(late)} hour partition(s): "
+                            + "; ".join(parts), metadata=metadata)
     listed = sorted(open_hours)[-MAX_LISTED:]
     lateness = late_lateness(catalog, name, {h: late[h] for h in listed})
     metadata["lateness_of_open_hours"] = {hour_key(h): lateness[h] for h in listed if h in lateness}
@@ -222,12 +239,13 @@ def late_lateness(catalog: Catalog, name: str, late: Mapping[int, LateHour]) -> 
     return out
 
 
-def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]]) -> CheckOutcome:
+def late_data_after_run(catalog: Catalog, name: str, downstream_runs: Callable[[list[int]], Mapping[int, DownstreamRun]],
+                        first_hour_us: int | None = None) -> CheckOutcome:
     """Late records that arrived after an hour's downstream partition ran (hours never run are not listed)."""
     late = late_data(catalog, f"cdc.{name}")
     runs = downstream_runs(sorted(late)) if late else {}
     acks = acks_of(catalog.load_table(f"cdc.{name}").properties) if late else {}
-    stale = {h: n for h, n in open_late_hours(late, runs, acks).items() if h in runs}
+    stale = {h: n for h, n in open_late_hours(late, runs, acks, first_hour_us).items() if h in runs}
     if not stale:
         return CheckOutcome(True, "no late data after any partition ran")
     keys = [hour_key(h) for h in sorted(stale)][-MAX_LISTED:]

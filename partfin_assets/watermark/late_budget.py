@@ -88,6 +88,9 @@ class LateBudget(WatermarkPolicy):
         learned = learn_delay(ledger(LEARN_COLUMNS, since), self.budget, clock_us)
         return learned, compact_json({"budget": self.budget, **learned.to_json()})
 
+    def learning(self, state: LearnedDelay | None) -> bool:
+        return state is None or state.delay_us is None
+
     def window_needed(self, state: LearnedDelay | None) -> bool:
         return state is None or state.delay_us is None
 

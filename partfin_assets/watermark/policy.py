@@ -83,6 +83,10 @@ class WatermarkPolicy:
         """The state in force at `clock_us`, and its text to persist when it was learned again (None: unchanged)."""
         return state, None
 
+    def learning(self, state: Any) -> bool:
+        """Whether it still runs on its fallback, waiting for history to learn from (a new table's first commits)."""
+        return False
+
     def window_needed(self, state: Any) -> bool:
         """Whether the candidate reads the window's older commits (a learned state may need only the newest)."""
         return True

@@ -64,7 +64,7 @@ def table_check_outcomes(table: PartfinTable, catalog: Catalog, instance: Dagste
         return {
             "watermark_fresh": tc.watermark_fresh(catalog, name, _limits(table)),
             "watermark_monotonic": tc.watermark_monotonic(catalog, name),
-            "late_data": tc.late_data_outcome(catalog, name, downstream_runs(instance, table)),
+            "late_data": tc.late_data_outcome(catalog, name, downstream_runs(instance, table), table.start_us),
             "rejected_input": tc.bad_input(catalog, f"cdc.{name}__rejected", f"source line(s) of cdc.{name} could not be read"),
             "writer_clocks": tc.clock_disagreements(catalog, name),
         }
@@ -130,7 +130,7 @@ def build_checks(table: PartfinTable):
     @asset_check(asset=table.activity_key, name="late_data_after_run",
                  description=f"Late records arrived in cdc.{name} for an hour after that hour's partition ran; names the partitions to re-run (WARN).")
     def late_after(context, catalog: IcebergCatalogResource) -> AssetCheckResult:
-        return _result(tc.late_data_after_run(catalog.load(), name, downstream_runs(context.instance, table)))
+        return _result(tc.late_data_after_run(catalog.load(), name, downstream_runs(context.instance, table), table.start_us))
 
     checks = [*cdc_checks, *base_checks, late_after]
     checks_job = define_asset_job(

@@ -80,10 +80,7 @@ def build_platform_assets(table: PartfinTable):
             AssetSpec(
                 table.cdc_key, skippable=True, group_name="platform", owners=[table.platform_owner], kinds={"iceberg"},
                 tags={"partfin/table": name},
-                metadata={"iceberg_table": f"cdc.{name}",
-                          # the report itself is the latest observation's `finalization_report` (markdown, refreshed by sync runs)
-                          "finalization_report": "the latest observation's finalization_report: watermark vs wall clock, "
-                                                 "finalization lag and late records per hour"},
+                metadata={"iceberg_table": f"cdc.{name}", "finalization_report": f"asset {table.report_key.to_user_string()}"},
                 description=f"cdc.{name}: append-only change ledger, hidden partitioning hour(event_time). Written by the "
                 f"`sync_{name}` job (every run reports each hour its commits touched or finalized, with the hour's totals). "
                 f"Materializing a partition by hand (or a backfill) replays that hour from the history the writer read, up "
@@ -275,16 +272,31 @@ def report_ingest(context: AssetExecutionContext | OpExecutionContext, table: Pa
     context.log.info(f"{checkpoints} checkpoint(s), {logged} hour partition(s) reported, watermark {_iso(watermark)}")
 
 
+def report_spec(table: PartfinTable) -> AssetSpec:
+    """report_<table>: the finalization report where the UI shows it. Its only events are the observations sync runs
+    log (refresh_report), so its overview's Metadata is the newest report: Dagster 1.13 shows the latest
+    materialization's metadata there when an asset has one (cdc_<table> always has), else the latest observation's."""
+    return AssetSpec(
+        table.report_key, deps=[table.cdc_key], group_name="platform", owners=[table.platform_owner], kinds={"matplotlib"},
+        tags={"partfin/table": table.name},
+        description=f"The finalization report of cdc.{table.name}: open `finalization_report` under Metadata ([Show Markdown]) "
+        "for the plots of the watermark vs the wall clock, the finalization lag per hour and the late records per hour, "
+        f"and their tables. Observed by the `sync_{table.name}` job at most every {REPORT_REFRESH_SECONDS} s; "
+        f"`partfin report --table {table.name}` writes the same as an HTML page and a PNG.",
+    )
+
+
 def refresh_report(context: AssetExecutionContext, table: PartfinTable, iceberg, catalog: IcebergCatalogResource) -> None:
     """The finalization report (`partfin report`), at most once a minute; last in the run, so the picture never
-    delays the base commit, hence finalization. Dagster shows it as markdown on cdc_<table> (its tables render in any
-    browser that reaches the UI); the HTML page and PNG stay on the server for `partfin report`'s readers."""
+    delays the base commit, hence finalization. Dagster shows it as markdown, plots included, on report_<table>
+    (report_spec): any browser that reaches the UI reads it; the HTML page and PNG stay on the server for
+    `partfin report`'s readers."""
     report = report_dir(catalog.config().home) / f"{table.name}.html"
     if report_is_stale(report, REPORT_REFRESH_SECONDS):
         picture = finalization_picture(iceberg, table.name)
         write_report(picture, report.parent)
-        context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
-            "finalization_report": MetadataValue.md(markdown_report(picture))}))
+        context.log_event(AssetObservation(asset_key=table.report_key, metadata={
+            "finalization_report": MetadataValue.md(markdown_report(picture)), **picture.facts()}))
 
 
 def build_sync_job(table: PartfinTable):
