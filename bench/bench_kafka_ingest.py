@@ -45,8 +45,8 @@ TOPIC = "dbserver1.public.orders"
 T0_MS = 1_793_491_200_000
 
 
-def events(count: int) -> list[dbz.DebeziumMessage]:
-    return [dbz.change(i % 5000, "u", T0_MS + i, version=1 + i // 5000, note_bytes=250) for i in range(count)]
+def events(count: int, note_bytes: int = 250) -> list[dbz.DebeziumMessage]:
+    return [dbz.change(i % 5000, "u", T0_MS + i, version=1 + i // 5000, note_bytes=note_bytes) for i in range(count)]
 
 
 def produce(cluster, messages, *, topic: str = TOPIC, **producer_config) -> None:

@@ -100,7 +100,7 @@ def scale_out(cluster, topic: str, home: Path, processes: int, options) -> tuple
     share = -(-options.partitions // processes)  # each member's share once the group is formed
     wait_for(lambda: all(m.assigned is not None and 0 < len(m.assigned) <= share for m in members)
              and sum(len(m.assigned) for m in members) == options.partitions, "the group to form", members)
-    messages = events(options.messages)
+    messages = events(options.messages, options.note_bytes)
     started = time.perf_counter()
     produce(cluster, messages, topic=topic)
     wait_for(lambda: sum(m.records for m in members) >= options.messages, "every event committed", members)
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--partitions", type=int, default=64)  # the mock keeps 5 MB per partition
     parser.add_argument("--checkpoint-records", type=int, default=5_000)
+    parser.add_argument("--note-bytes", type=int, default=250, help="bytes of text in each event's note column (250: ~1 KB events)")
     parser.add_argument("--processes", default="1,2,4", help="process counts to compare, the first is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
     options = parse_sizes(parser, smoke=dict(messages=400, partitions=4, checkpoint_records=100, processes="1,2", repeats=1))

@@ -127,6 +127,35 @@ def test_rows_rebuilt_from_the_history_equal_the_ones_the_writer_recorded(catalo
     assert read_ledger(catalog, "cdc.orders").equals(recorded)
 
 
+def test_reconcile_with_a_history_another_process_expired_meanwhile_reads_the_table_again(catalog, monkeypatch):
+    """A writer starting (reconcile) beside another process's expiry: it read the ledger before the expiry recorded the
+    checkpoints and the table's history before the expiry deleted their manifest lists (seen with three Kafka group
+    members: the starting member died with FileNotFoundError). It reads the table again and records nothing twice."""
+    writer = CdcWriter(catalog, ORDERS)
+    for i in range(6):  # fewer than the appender's 10: none reaches the ledger before the expiry below
+        writer.write_checkpoint(change_batch(T0_US + i * 60_000_000 + np.arange(10) * 1_000_000, offset=str(i), seq_start=i * 10))
+    stale = catalog.load_table("cdc.orders")  # the starting writer's view
+    ledger_before = catalog.load_table("cdc.orders__ledger").properties
+    expire_table_snapshots(catalog, "cdc.orders", Retention(keep_last=1))  # another process: records them, then removes
+    gone = [s for s in stale.metadata.snapshots if catalog.load_table("cdc.orders").metadata.snapshot_by_id(s.snapshot_id) is None]
+    assert gone and not Path(gone[0].manifest_list.removeprefix("file://")).exists()
+
+    import partfin_assets.iceberg.ledger as ledger_module
+    real = ledger_module.recorded_checkpoints
+    calls = []
+
+    def read_before_the_expiry(properties):  # the interleaving: the ledger as it was when the writer read it
+        calls.append(1)
+        return real(ledger_before) if len(calls) == 1 else real(properties)
+
+    monkeypatch.setattr(ledger_module, "recorded_checkpoints", read_before_the_expiry)
+    reconcile(catalog, stale)
+    monkeypatch.undo()
+    writer.close()
+    recorded = read_ledger(catalog, "cdc.orders")
+    assert recorded["records"].sum() == 60 and not recorded.select("stream", "checkpoint_id", "hour").is_duplicated().any()
+
+
 def test_records_without_arrival_time_take_the_commit_clock_as_arrival(catalog):
     writer = CdcWriter(catalog, ORDERS)
     try:

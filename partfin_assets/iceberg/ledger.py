@@ -325,7 +325,26 @@ def reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None = N
     `snapshots`: only these (the ones an expiry is about to remove). Cheap when nothing is missing
     (table metadata only); rows of a missing checkpoint are rebuilt from the data files its
     snapshot added, so they equal the ones its writer would have recorded.
+
+    Another process may expire snapshots of `cdc` meanwhile (it records them first) and delete their
+    manifest lists: a history that is gone is read again from the table as it is now.
     """
+    for attempt in range(RECONCILE_ATTEMPTS):
+        try:
+            return _reconcile(catalog, cdc, snapshots)
+        except FileNotFoundError:
+            if attempt == RECONCILE_ATTEMPTS - 1:
+                raise
+            cdc = catalog.load_table(dotted_identifier(cdc))
+            if snapshots is not None:  # those another expiry removed were recorded by it
+                snapshots = [s for s in snapshots if cdc.metadata.snapshot_by_id(s.snapshot_id) is not None]
+    raise AssertionError("unreachable")
+
+
+RECONCILE_ATTEMPTS = 5
+
+
+def _reconcile(catalog: Catalog, cdc: Table, snapshots: list[Snapshot] | None) -> int:
     identifier = dotted_identifier(cdc)
     ledger = ensure_ledger_table(catalog, identifier)
     recorded = recorded_checkpoints(ledger.properties)
