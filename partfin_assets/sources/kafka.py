@@ -35,9 +35,10 @@ writer id; the group spreads the partitions over them and each commits checkpoin
 partitions to the same table, concurrently. The compare-and-set on each partition's position
 (ingest/writer.py) is what keeps every message once, whatever the group does: a commit lands only
 if the table still records the offset its batch started from, so a process that lost a partition
-in a rebalance (and does not know it yet) cannot commit it again from where it stood, and a
-process assigned a partition that another one committed meanwhile is fenced once and reads it
-again from the table's offset.
+in a rebalance (and does not know it yet) can commit it only from where the table stands, never
+twice. A partition assigned to a process is read from the offset the table holds at that moment
+(the writer reloads it: `resume_assigned_from`); if the table moves past it after all (such a late
+commit of the previous owner), that process is fenced once and reads it again from there.
 
 One batch holds the messages of one partition (`ChangeBatch.stream` = `<topic>-<partition>`),
 so every checkpoint belongs to one partition's progress stream (iceberg/streams.py): the
