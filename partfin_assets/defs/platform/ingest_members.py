@@ -12,13 +12,12 @@ Sizing: members beyond the topic's partition count read nothing (the group gives
 one member); each member costs about one core while it has messages to decode and write.
 """
 
-import time
 from typing import Optional
 
 from dagster import Config, DynamicOut, DynamicOutput, Failure, OpExecutionContext, Out, Output, op
 
 from partfin_assets.defs.platform.fanout import fanout_job
-from partfin_assets.defs.platform.sync import report_checkpoint, report_ingest
+from partfin_assets.defs.platform.sync import commit_and_report, report_ingest
 from partfin_assets.defs.resources import CdcSourceResource, IcebergCatalogResource
 from partfin_assets.defs.tables import PartfinTable
 from partfin_assets.iceberg.catalog import load_table_if_exists
@@ -52,18 +51,10 @@ def build_ingest_members_job(table: PartfinTable, *, max_concurrent: int = 4):
     def consume(context: OpExecutionContext, catalog: IcebergCatalogResource, cdc_source: CdcSourceResource,
                 member: int) -> tuple[int, list[int]]:
         """One group member: commit checkpoints of the partitions the group gives it; how many, and the hours they touched."""
-        touched: set[int] = set()
-        checkpoints = 0
         # <table>-writer, as `partfin ingest` and sync_<table>: the members share it, each committing its own partitions
         with cdc_source.redacted(), IngestSession(catalog.load(), table.spec, cdc_source.open(table), subtasks=cdc_source.subtasks,
                                                   heartbeat_interval_s=cdc_source.heartbeat_interval_seconds) as session:
-            started = time.monotonic()
-            for result in session.run(max_records=cdc_source.max_records):
-                checkpoints += 1
-                touched.update(report_checkpoint(context, table, session.writer, result))
-                if time.monotonic() - started > cdc_source.max_seconds_per_run:
-                    context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
-                    break
+            checkpoints, touched = commit_and_report(context, table, session, cdc_source)
         context.log.info(f"member {member}: {checkpoints} checkpoint(s)")
         return checkpoints, sorted(touched)
 

@@ -211,22 +211,29 @@ def _previous_finalized_at(context: AssetExecutionContext, table: PartfinTable, 
 def ingest_and_report(context: AssetExecutionContext, table: PartfinTable, iceberg, cdc_source: CdcSourceResource) -> None:
     """Run the CDC writer: up to N checkpoints, one Iceberg commit each, from the committed offset; then report
     every hour they touched or finalized with the hour's totals, and evaluate the cdc checks."""
-    touched: set[int] = set()
-    checkpoints = 0
     # <table>-writer, as `partfin ingest`: one source position per table; the table's declared policy takes effect
     with cdc_source.redacted(), IngestSession(iceberg, table.spec, cdc_source.open(table), subtasks=cdc_source.subtasks,
                                               heartbeat_interval_s=cdc_source.heartbeat_interval_seconds) as session:
         writer = session.writer
         watermark_before = watermark_of(writer.table.properties)
-        started = time.monotonic()
-        for result in session.run(max_records=cdc_source.max_records, max_checkpoints=cdc_source.max_checkpoints_per_run):
-            checkpoints += 1
-            if time.monotonic() - started > cdc_source.max_seconds_per_run:
-                context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
-                break
-            if result.snapshot_id is not None:
-                touched.update(report_checkpoint(context, table, writer, result))
+        checkpoints, touched = commit_and_report(context, table, session, cdc_source, max_checkpoints=cdc_source.max_checkpoints_per_run)
     report_ingest(context, table, iceberg, writer.table, watermark_before, touched, checkpoints)
+
+
+def commit_and_report(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, session: IngestSession,
+                      cdc_source: CdcSourceResource, *, max_checkpoints: int | None = None) -> tuple[int, set[int]]:
+    """Commit the session's checkpoints (up to `max_checkpoints`, within the run's time budget), each reported as it
+    lands; how many, and the hours they touched."""
+    touched: set[int] = set()
+    checkpoints = 0
+    started = time.monotonic()
+    for result in session.run(max_records=cdc_source.max_records, max_checkpoints=max_checkpoints):
+        checkpoints += 1
+        touched.update(report_checkpoint(context, table, session.writer, result))
+        if time.monotonic() - started > cdc_source.max_seconds_per_run:
+            context.log.info(f"time budget of {cdc_source.max_seconds_per_run}s used: the next run goes on from here")
+            break
+    return checkpoints, touched
 
 
 def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table: PartfinTable, writer: CdcWriter,
