@@ -95,12 +95,15 @@ def writer_position(metadata: TableMetadata, writer_id: str) -> CommittedPositio
 
 
 def stream_position(metadata: TableMetadata, writer_id: str, stream_id: str) -> CommittedPosition:
-    """The committed position of a progress stream of `writer_id`: its entry; a partition stream without one
-    starts where its writer's entry left off (its checkpoint id; the offset is the writer's, `positions_of`)."""
-    if stream_id == writer_id:
-        return writer_position(metadata, writer_id)
-    text = metadata.properties.get(K.PROP_WRITER_PREFIX + stream_id)
-    return _decode_position(text) if text else CommittedPosition(writer_position(metadata, writer_id).checkpoint_id, None)
+    """The committed position of a progress stream of `writer_id` on this metadata (see `position_in`)."""
+    return position_in(positions_of(metadata, writer_id), writer_id, stream_id)
+
+
+def position_in(positions: Mapping[str, CommittedPosition], writer_id: str, stream_id: str) -> CommittedPosition:
+    """A stream's position among a writer's `positions` (`positions_of`): its entry; a partition stream without one
+    starts where its writer's entry left off (its checkpoint id; the offset is the writer's, joined by the source)."""
+    known = positions.get(stream_id)
+    return known if known is not None else CommittedPosition(positions[writer_id].checkpoint_id, None)
 
 
 def positions_of(metadata: TableMetadata, writer_id: str) -> dict[str, CommittedPosition]:

@@ -42,8 +42,8 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
 from partfin_assets.iceberg.streams import (
-    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, positions_of, register_stream, stream_position, stream_property,
-    streams_of, trusted_clock_us, writer_clocks,
+    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
+    stream_property, streams_of, trusted_clock_us, writer_clocks,
 )
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -217,9 +217,7 @@ class CdcWriter:
         return dict(self._positions)
 
     def position_of(self, stream_id: str) -> CommittedPosition:
-        known = self._positions.get(stream_id)
-        # a partition stream without an entry goes on from its writer's (stream_position)
-        return known if known is not None else CommittedPosition(self._positions[self.writer_id].checkpoint_id, None)
+        return position_in(self._positions, self.writer_id, stream_id)
 
     def start_offset(self, source: CdcSource) -> str | None:
         """Where `source` is read from: the writer's offset, or (partitions) each partition's own."""
