@@ -19,15 +19,19 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
-from pyiceberg.table import Table
+from pyiceberg.table import CommitTableResponse, StagedTable, Table
+from pyiceberg.table.locations import load_location_provider
+from pyiceberg.table.metadata import TableMetadata
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from partfin_assets.iceberg.commit import updated_metadata
 from partfin_assets.model.errors import BrokenTable, PartfinConfigError, first_line, one_line
 from partfin_assets.model.redaction import redact, secrets_redacted
 from partfin_assets.model.settings import Settings
@@ -125,7 +129,60 @@ class NoCatalog(PartfinConfigError):
 
 
 class _PartfinSqlCatalog(SqlCatalog):
-    """PyIceberg's SqlCatalog, with a table whose current metadata file is gone reported as BrokenTable."""
+    """PyIceberg's SqlCatalog, with a table whose current metadata file is gone reported as BrokenTable, and the
+    metadata it read or committed last kept by location.
+
+    A metadata file never changes once written (every commit writes a new one under a new name), so the catalog row's
+    location says whether the metadata in hand is still current. PyIceberg reads and parses the whole file on every
+    `load_table`, and `commit_table` loads the table once more to apply the updates to: two reads and parses per
+    commit, each growing with the retained snapshots and properties. With the cache a writer that committed last
+    reads only the catalog row.
+    """
+
+    _CACHED_METADATA = 8  # the tables one process commits to in turn: cdc, its ledger, its rejects, base, ...
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._metadata_by_location: OrderedDict[str, TableMetadata] = OrderedDict()
+
+    def _remember(self, location: str, metadata: TableMetadata) -> None:
+        cache = self._metadata_by_location
+        cache[location] = metadata
+        cache.move_to_end(location)
+        while len(cache) > self._CACHED_METADATA:
+            cache.popitem(last=False)
+
+    def _convert_orm_to_iceberg(self, orm_table) -> Table:
+        metadata = self._metadata_by_location.get(orm_table.metadata_location or "")
+        if metadata is None:
+            table = super()._convert_orm_to_iceberg(orm_table)
+            self._remember(table.metadata_location, table.metadata)
+            return table
+        location = orm_table.metadata_location
+        return Table(
+            identifier=Catalog.identifier_to_tuple(orm_table.table_namespace) + (orm_table.table_name,),
+            metadata=metadata,
+            metadata_location=location,
+            io=self._load_file_io(metadata.properties, location),
+            catalog=self,
+        )
+
+    def _update_and_stage_table(self, current_table, table_identifier, requirements, updates) -> StagedTable:
+        if current_table is None:  # a table being created: PyIceberg's own validation of the new metadata
+            return super()._update_and_stage_table(current_table, table_identifier, requirements, updates)
+        for requirement in requirements:
+            requirement.validate(current_table.metadata)
+        metadata = updated_metadata(current_table.metadata, updates, current_table.metadata_location)
+        location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(
+            self._parse_metadata_version(current_table.metadata_location) + 1
+        )
+        return StagedTable(identifier=table_identifier, metadata=metadata, metadata_location=location,
+                           io=self._load_file_io(properties=metadata.properties, location=location), catalog=self)
+
+    def commit_table(self, table: Table, requirements, updates) -> CommitTableResponse:
+        response = super().commit_table(table, requirements, updates)
+        self._remember(response.metadata_location, response.metadata)
+        return response
 
     def load_table(self, identifier) -> Table:
         try:
