@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
@@ -92,11 +94,14 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
     return keep
 
 
-def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int, now_ms: int | None = None) -> int:
+def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | int, now_ms: int | None = None,
+                     before_removal: Callable[[list[Snapshot]], None] | None = None) -> int:
     """Expire what retention allows once enough piled up; returns how many snapshots were expired.
 
     `table` is the caller's freshly committed view of the table; `window`: the watermark policy's
     window per progress stream (kept). Refs past their max-ref-age go in the same commit.
+    `before_removal` sees the snapshots about to go before the ledger is reconciled for them (a writer
+    records the ledger rows it still holds for any of them).
     """
     snapshots = table.metadata.snapshots
     if not expiry_due(table, retention):
@@ -110,6 +115,8 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if len(expired) < max(retention.slack, 1) and not aged:
         return 0  # what the windows keep fills the slack: expire once `slack` more piled up, not on every commit
+    if before_removal is not None:
+        before_removal(expired)
     if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired, aged)

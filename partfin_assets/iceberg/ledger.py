@@ -59,8 +59,8 @@ from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, le
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
 from partfin_assets.model.stats import (
-    CommitStats, EventTimeStats, commit_clock_us, compact_json, digest_from_dict, digest_of_sorted, source_clock_us, suspect_future,
-    tdigest_dict,
+    CommitStats, EventTimeStats, commit_clock_us, compact_json, digest_from_dict, digest_of_sorted, hour_bounds, source_clock_us,
+    suspect_future, tdigest_dict,
 )
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, parse_iso, to_us
@@ -72,7 +72,7 @@ LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
 UTC_US = pa.timestamp("us", tz="UTC")
 
 __all__ = [
-    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_rows", "dotted_identifier",
+    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_row_dicts", "checkpoint_rows", "dotted_identifier",
     "ensure_ledger_table", "ledger_commit_stats",
     "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
     "retained_late_rows",
@@ -118,23 +118,41 @@ def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: 
     `event_time_us`: the records' event times (int64 epoch us, any order); `arrival`: their
     `arrival_time` column in the same order (nulls, or None: the commit clock is the arrival).
     """
+    return rows_table(checkpoint_row_dicts(checkpoint, event_time_us, arrival))
+
+
+def checkpoint_row_dicts(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None = None,
+                         sorted_event_time_us: np.ndarray | None = None) -> list[dict]:
+    """`checkpoint_rows` as dicts (a writer builds the table of many checkpoints at once, when it records them).
+
+    `sorted_event_time_us`: the same event times ascending, when the caller has them already (the writer's
+    event-time accumulator sorted them): each hour's event-time digest is then built from its slice, unsorted again.
+    """
     c = checkpoint
     event_time_us = np.asarray(event_time_us, dtype=np.int64)
     if event_time_us.size == 0:
         row = _row(c, None, 0, 0)
         row["arrival_min"] = row["arrival_max"] = c.heartbeat_us
-        return _table([row])
+        return [row]
     arrivals = known = None
     if arrival is not None and len(arrival) and pc.count(arrival).as_py():  # some arrival times known
         arrival_int = pc.cast(arrival, pa.int64())
         known = pc.is_valid(arrival_int).to_numpy(zero_copy_only=False)
         arrivals = pc.fill_null(arrival_int, c.commit_time_us).to_numpy(zero_copy_only=False)
     hour_of = event_time_us // US_PER_HOUR
+    if sorted_event_time_us is None:
+        hours = np.unique(hour_of).tolist()
+    else:
+        bounds = hour_bounds(sorted_event_time_us)
+        hours = [int(sorted_event_time_us[start]) // US_PER_HOUR for start in bounds[:-1]]
     rows = []
     # a checkpoint touches a few hours: one mask per hour is cheaper than ordering the whole batch
-    for hour in np.unique(hour_of).tolist():
+    for index, hour in enumerate(hours):
         in_hour = hour_of == hour
-        hour_times = np.sort(event_time_us[in_hour])
+        if sorted_event_time_us is None:
+            hour_times = np.sort(event_time_us[in_hour])
+        else:
+            hour_times = sorted_event_time_us[bounds[index]:bounds[index + 1]]
         count = hour_times.size
         row = _row(c, hour * US_PER_HOUR, count, int(c.late_by_hour.get(hour * US_PER_HOUR, 0)))
         row["event_time_min"], row["event_time_max"] = int(hour_times[0]), int(hour_times[-1])
@@ -149,7 +167,7 @@ def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: 
                 row["arrival_min"], row["arrival_max"] = int(hour_known.min()), int(hour_known.max())
         row["lateness_digest"] = compact_json(tdigest_dict(digest_of_sorted(lateness), count))
         rows.append(row)
-    return _table(rows)
+    return rows
 
 
 def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
@@ -161,7 +179,7 @@ def _row(c: Checkpoint, hour_us: int | None, records: int, late: int) -> dict:
     }
 
 
-def _table(rows: list[dict]) -> pa.Table:
+def rows_table(rows: list[dict]) -> pa.Table:
     columns = {}
     for f in LEDGER_ARROW_SCHEMA:
         values = [r[f.name] for r in rows]
@@ -258,28 +276,28 @@ def _expire_ledger_snapshots(ledger: Table) -> None:
 
 
 class LedgerAppender:
-    """The writer's side: rows of each committed checkpoint, recorded a few checkpoints at a time.
+    """The writer's side: rows of each committed checkpoint, recorded many checkpoints at a time.
 
-    One ledger commit per checkpoint would double the commits of a fast writer, so rows wait until
+    One ledger commit costs about what a small checkpoint's commit does, so rows wait until
     `max_pending` checkpoints or `max_wait_s` seconds piled up (the next checkpoint, or an idle
-    source's empty batch, records them), and when the writer stops. A crash loses only pending
-    rows, which `reconcile` rebuilds from the CDC history; expiry reconciles the snapshots it
-    removes, and the writer records its pending rows first if they could be among them.
+    source's empty batch, records them), until a snapshot expiry would remove one of their
+    snapshots (`flush_if_expiring`), and when the writer stops. A crash loses only pending rows,
+    which `reconcile` rebuilds from the CDC history when the next writer starts.
     """
 
-    def __init__(self, catalog: Catalog, cdc_identifier: str, *, max_pending: int = 10, max_wait_s: float = 5.0) -> None:
+    def __init__(self, catalog: Catalog, cdc_identifier: str, *, max_pending: int = 100, max_wait_s: float = 5.0) -> None:
         self.catalog = catalog
         self.cdc_identifier = cdc_identifier
         self.max_pending = max_pending
         self.max_wait_s = max_wait_s
-        self._pending: list[pa.Table] = []
+        self._pending: list[list[dict]] = []  # per checkpoint: its rows, made a table once, when recorded
         self._since: float | None = None
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    def add(self, rows: pa.Table) -> None:
+    def add(self, rows: list[dict]) -> None:
         self._pending.append(rows)
         if self._since is None:
             self._since = time.monotonic()
@@ -289,10 +307,17 @@ class LedgerAppender:
         if self._pending and (len(self._pending) >= self.max_pending or time.monotonic() - self._since >= self.max_wait_s):
             self.flush()
 
+    def flush_if_expiring(self, expired: list[Snapshot]) -> None:
+        """Record the pending rows if a snapshot expiry is about to remove the snapshot of one of them (recorded from
+        memory, not rebuilt by expiry's `reconcile` from the snapshot's files)."""
+        ids = {s.snapshot_id for s in expired}
+        if any(rows[0]["snapshot_id"] in ids for rows in self._pending):
+            self.flush()
+
     def flush(self) -> None:
         if not self._pending:
             return
-        rows = pa.concat_tables(self._pending)
+        rows = rows_table([row for rows in self._pending for row in rows])
         left_out = record_rows(self.catalog, self.cdc_identifier, rows)
         self._pending.clear()
         self._since = None
@@ -369,7 +394,7 @@ def _rows_from_history(cdc: Table, writer_id: str, checkpoint_id: int, snapshot:
     if writer_id == REPLAY_STREAM:
         hour = to_us(parse_iso(summary[K.REPLAY_HOUR]))
         row = _row(checkpoint, hour, int(summary.get(K.REPLAY_ADDED_RECORDS, "0")), int(summary.get(K.LATE_RECORDS, "0")))
-        return _table([row])
+        return rows_table([row])
     records = read_files(cdc, _added_files(cdc, snapshot), deletes=[])
     event_time = pc.cast(records.column("event_time"), pa.int64()).to_numpy(zero_copy_only=False)
     arrival = records.column(ARRIVAL_TIME) if ARRIVAL_TIME in records.schema.names else None
@@ -424,7 +449,7 @@ def retained_late_rows(cdc: Table, *, after_sequence: int | None = None, up_to_s
             continue
         checkpoint = Checkpoint.of_commit(*entry, snapshot)
         rows += [_row(checkpoint, hour, 0, late) for hour, late in checkpoint.late_by_hour.items() if late > 0]
-    frame = pl.from_arrow(_table(rows))
+    frame = pl.from_arrow(rows_table(rows))
     assert isinstance(frame, pl.DataFrame)
     return frame
 

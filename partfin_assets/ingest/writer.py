@@ -37,10 +37,10 @@ from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
 from partfin_assets.iceberg.erasures import current_erasures, fence_of, load_erasures
-from partfin_assets.iceberg.expiry import Retention, expire_snapshots, expiry_due
+from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
-from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_rows, reconcile
+from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, reconcile
 from partfin_assets.iceberg.streams import (
     CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
     stream_property, streams_of, trusted_clock_us, writer_clocks,
@@ -404,18 +404,16 @@ class CdcWriter:
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
         committed_summary = summary_of(snapshot)
-        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records)
-        if expiry_due(result.table, self.retention) and self._ledger.pending >= self.retention.keep_last:
-            # some of them may expire now: recorded from memory, not rebuilt by expiry's reconcile from files
-            self._ledger.flush()
-        expire_snapshots(result.table, self.retention, self._policy_window())
+        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records, accumulated.get(EventTimeAccumulator.name))
+        expire_snapshots(result.table, self.retention, self._policy_window(), before_removal=self._ledger.flush_if_expiring)
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary, result.attempts)
 
-    def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table) -> None:
+    def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table,
+                          event_times: EventTimes | None) -> None:
         checkpoint = Checkpoint.of_commit(self.writer_id, checkpoint_id, snapshot, clock_us)
         event_time = records.column("event_time").to_numpy().view(np.int64) if records.num_rows else np.empty(0, np.int64)
-        rows = checkpoint_rows(checkpoint, event_time, records.column(ARRIVAL_TIME))
-        self._ledger.add(rows)
+        sorted_times = event_times.event_time_us if event_times is not None and event_times.event_time_us.size == event_time.size else None
+        self._ledger.add(checkpoint_row_dicts(checkpoint, event_time, records.column(ARRIVAL_TIME), sorted_times))
 
     def _commit_rejected(self, rejected: pa.Table, checkpoint_id: int, source_log: str) -> int:
         """Rejected records land in cdc.<table>__rejected once per source position, however batches are cut.
