@@ -18,7 +18,7 @@ ids counted up per writer, recorded under `partfin.ledger.<writer id>`: that ent
 its partition streams, whose ids go on above it.) Several processes may commit one stream's
 checkpoints in turn (a partition moving between the members of a consumer group): a process whose
 rows do not follow the recorded id leaves them to `reconcile`, which reads them from the history.
-The writer records its checkpoints after each commit (a few at a time, see LedgerAppender); a
+The writer records its checkpoints after its commits (many at a time, see LedgerAppender); a
 crash in between is repaired by `reconcile`, which rebuilds the missing rows from the retained
 CDC snapshots (their summaries and the data files they added) and runs when a writer starts,
 before every snapshot expiry and before compaction. So a checkpoint always reaches the ledger
