@@ -47,7 +47,7 @@ def window_retained(window: CommitWindow) -> bool:
 @dataclass(frozen=True)
 class Retention:
     keep_last: int = 10  # newest snapshots of main always kept
-    slack: int = 10  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
+    slack: int = 20  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
     # False: a table whose snapshot summaries nothing reads back (the rejected tables): keep only the newest
     # `keep_last` and what refs point at, not the policy windows and writers' checkpoints a cdc table keeps
     summaries: bool = True

@@ -72,7 +72,7 @@ LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
 UTC_US = pa.timestamp("us", tz="UTC")
 
 __all__ = [
-    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_row_dicts", "checkpoint_rows", "dotted_identifier",
+    "COMMIT_STATS_COLUMNS", "LEDGER_ARROW_SCHEMA", "REPLAY_STREAM", "Checkpoint", "LedgerAppender", "checkpoint_row_dicts", "checkpoint_rows", "hour_rows", "dotted_identifier",
     "ensure_ledger_table", "ledger_commit_stats",
     "hour_totals", "ledger_entry", "ledger_identifier", "read_ledger", "reconcile", "record_rows", "recorded_checkpoints",
     "retained_late_rows",
@@ -122,23 +122,42 @@ def checkpoint_rows(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: 
 
 
 def checkpoint_row_dicts(checkpoint: Checkpoint, event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None = None,
-                         sorted_event_time_us: np.ndarray | None = None) -> list[dict]:
+                         sorted_event_time_us: np.ndarray | None = None, hours: list[dict] | None = None) -> list[dict]:
     """`checkpoint_rows` as dicts (a writer builds the table of many checkpoints at once, when it records them).
 
-    `sorted_event_time_us`: the same event times ascending, when the caller has them already (the writer's
-    event-time accumulator sorted them): each hour's event-time digest is then built from its slice, unsorted again.
+    `sorted_event_time_us`: the same event times ascending, when the caller has them already; `hours`: what
+    `hour_rows` made of the records before the commit landed (the writer does it while the commit runs).
     """
     c = checkpoint
-    event_time_us = np.asarray(event_time_us, dtype=np.int64)
-    if event_time_us.size == 0:
+    if len(event_time_us) == 0:
         row = _row(c, None, 0, 0)
         row["arrival_min"] = row["arrival_max"] = c.heartbeat_us
         return [row]
+    if hours is None:
+        hours = hour_rows(event_time_us, arrival, c.commit_time_us, sorted_event_time_us)
+        assert hours is not None
+    return [{**_row(c, h["hour"], h["records"], int(c.late_by_hour.get(h["hour"], 0))), **h} for h in hours]
+
+
+def hour_rows(event_time_us: np.ndarray, arrival: pa.ChunkedArray | pa.Array | None, commit_time_us: int | None,
+              sorted_event_time_us: np.ndarray | None = None) -> list[dict] | None:
+    """The part of a checkpoint's ledger rows its records alone decide, per event hour: records, event-time range
+    and digest, arrival range, lateness digest. None when a record's lateness counts from the commit's clock (its
+    arrival time is unknown) and `commit_time_us` is not known yet.
+
+    `sorted_event_time_us`: the same event times ascending, when the caller has them already (the writer's
+    event-time accumulator sorted them): each hour's event-time digest is then built from its slice.
+    """
+    event_time_us = np.asarray(event_time_us, dtype=np.int64)
     arrivals = known = None
     if arrival is not None and len(arrival) and pc.count(arrival).as_py():  # some arrival times known
         arrival_int = pc.cast(arrival, pa.int64())
+        if arrival_int.null_count and commit_time_us is None:
+            return None
         known = pc.is_valid(arrival_int).to_numpy(zero_copy_only=False)
-        arrivals = pc.fill_null(arrival_int, c.commit_time_us).to_numpy(zero_copy_only=False)
+        arrivals = pc.fill_null(arrival_int, commit_time_us or 0).to_numpy(zero_copy_only=False)
+    elif commit_time_us is None:
+        return None
     hour_of = event_time_us // US_PER_HOUR
     if sorted_event_time_us is None:
         hours = np.unique(hour_of).tolist()
@@ -154,11 +173,10 @@ def checkpoint_row_dicts(checkpoint: Checkpoint, event_time_us: np.ndarray, arri
         else:
             hour_times = sorted_event_time_us[bounds[index]:bounds[index + 1]]
         count = hour_times.size
-        row = _row(c, hour * US_PER_HOUR, count, int(c.late_by_hour.get(hour * US_PER_HOUR, 0)))
-        row["event_time_min"], row["event_time_max"] = int(hour_times[0]), int(hour_times[-1])
-        row["event_time_digest"] = compact_json(tdigest_dict(digest_of_sorted(hour_times), count))
+        row = {"hour": hour * US_PER_HOUR, "records": count, "event_time_min": int(hour_times[0]), "event_time_max": int(hour_times[-1]),
+               "event_time_digest": compact_json(tdigest_dict(digest_of_sorted(hour_times), count))}
         if arrivals is None:
-            lateness = c.commit_time_us - hour_times[::-1]  # ascending already
+            lateness = commit_time_us - hour_times[::-1]  # ascending already
         else:
             hour_arrivals = arrivals[in_hour]
             lateness = np.sort(hour_arrivals - event_time_us[in_hour])

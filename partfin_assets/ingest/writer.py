@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -40,7 +40,7 @@ from partfin_assets.iceberg.erasures import current_erasures, fence_of, load_era
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
 from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
-from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, reconcile
+from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, hour_rows, reconcile
 from partfin_assets.iceberg.streams import (
     CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
     stream_property, streams_of, trusted_clock_us, writer_clocks,
@@ -313,6 +313,7 @@ class CdcWriter:
 
         faults().crash_point("after-files")
         accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
+        ledger_hours = self._ledger_hours(records, accumulated.get(EventTimeAccumulator.name))
         rejected = self._commit_rejected(prepared.rejected, checkpoint_id, prepared.stream_id)
 
         base_summary = {
@@ -404,16 +405,24 @@ class CdcWriter:
         for processor in self.processors:
             processor.post_commit(contexts[-1], snapshot)
         committed_summary = summary_of(snapshot)
-        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records, accumulated.get(EventTimeAccumulator.name))
+        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records, ledger_hours)
         expire_snapshots(result.table, self.retention, self._policy_window(), before_removal=self._ledger.flush_if_expiring)
         return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary, result.attempts)
 
-    def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table,
-                          event_times: EventTimes | None) -> None:
+    def _ledger_hours(self, records: pa.Table, event_times: EventTimes | None) -> Future | None:
+        """The ledger's figures of the records per hour (digests of event time and lateness), made on the file pool
+        while the commit runs: what the rows need of the commit itself is added once it landed."""
+        if self._file_pool is None or records.num_rows == 0:
+            return None
+        event_time = records.column("event_time").to_numpy().view(np.int64)
+        sorted_times = event_times.event_time_us if event_times is not None and event_times.event_time_us.size == event_time.size else None
+        return self._file_pool.submit(hour_rows, event_time, records.column(ARRIVAL_TIME), None, sorted_times)
+
+    def _record_in_ledger(self, checkpoint_id: int, snapshot: Snapshot, clock_us: int, records: pa.Table, hours: Future | None) -> None:
         checkpoint = Checkpoint.of_commit(self.writer_id, checkpoint_id, snapshot, clock_us)
         event_time = records.column("event_time").to_numpy().view(np.int64) if records.num_rows else np.empty(0, np.int64)
-        sorted_times = event_times.event_time_us if event_times is not None and event_times.event_time_us.size == event_time.size else None
-        self._ledger.add(checkpoint_row_dicts(checkpoint, event_time, records.column(ARRIVAL_TIME), sorted_times))
+        self._ledger.add(checkpoint_row_dicts(checkpoint, event_time, records.column(ARRIVAL_TIME),
+                                              hours=hours.result() if hours is not None else None))
 
     def _commit_rejected(self, rejected: pa.Table, checkpoint_id: int, source_log: str) -> int:
         """Rejected records land in cdc.<table>__rejected once per source position, however batches are cut.
