@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -73,8 +75,7 @@ def stream_window(
             continue
         if stream_id is not None and commit_stream(summary) != stream_id:
             continue
-        entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest,
-                             clock_us=commit_clock_us(summary, snapshot.timestamp_ms))
+        entry = snapshot_commit_stats(snapshot, with_digest)
         if entry is None:
             continue
         if newest_arrival_us is None:
@@ -83,6 +84,29 @@ def stream_window(
             return StreamWindow(found, entry)
         found.append(entry)
     return StreamWindow(found, None)
+
+
+_PARSED: OrderedDict[tuple[int, bool], tuple[Snapshot, CommitStats | None]] = OrderedDict()
+_PARSED_MAX = 512  # a few tables' retained windows
+_PARSED_LOCK = threading.Lock()
+
+
+def snapshot_commit_stats(snapshot: Snapshot, with_digest: bool = False) -> CommitStats | None:
+    """`commit_stats` of a snapshot, parsed once: each commit reads its stream's window from the retained snapshots
+    again, and the same Snapshot objects go from one metadata version to the next (the catalog keeps them)."""
+    key = (id(snapshot), with_digest)
+    with _PARSED_LOCK:
+        cached = _PARSED.get(key)
+        if cached is not None and cached[0] is snapshot:  # kept alive with its entry, so the id is still this snapshot's
+            _PARSED.move_to_end(key)
+            return cached[1]
+    summary = summary_of(snapshot)
+    entry = commit_stats(summary, snapshot.snapshot_id, with_digest=with_digest, clock_us=commit_clock_us(summary, snapshot.timestamp_ms))
+    with _PARSED_LOCK:
+        _PARSED[key] = (snapshot, entry)
+        if len(_PARSED) > _PARSED_MAX:
+            _PARSED.popitem(last=False)
+    return entry
 
 
 def recent_commit_stats(metadata: TableMetadata, limit: int, *, with_digest: bool = False, writer_id: str | None = None,
