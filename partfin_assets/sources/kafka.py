@@ -7,7 +7,7 @@ BOOTSTRAP is librdkafka's `bootstrap.servers`; after `#` come the topic and opti
 - `group=NAME`: the consumer group (default `partfin-<table>`). It only spreads the topic's
   partitions over the processes that read it (and tells lag monitors how far they are): where
   reading resumes is never taken from the group but from the checkpoint (below).
-- `poll_timeout=0.2s`, `idle_batch_every=10s`: how long one fetch waits; how often a following
+- `poll_timeout=0.2s`, `idle_batch_every=10s`: how long a fetch waits when nothing is fetched; how often a following
   source with nothing new yields an empty batch so its caller regains control.
 - any name with a dot is a librdkafka consumer property, passed through as it is
   (`security.protocol=SASL_SSL`, `sasl.mechanism=SCRAM-SHA-512`, `sasl.username=cdc`,
@@ -92,8 +92,7 @@ from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJs
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = KAFKA_PREFIX
-# messages taken per consume(): it returns once it has this many (or after poll_timeout), so a small
-# number keeps it from waiting for more than librdkafka has fetched
+# at most this many messages per fetch of what librdkafka already holds (see _fetch)
 _FETCH_MESSAGES = 500
 # property names whose values are secrets: only from the environment, always redacted
 _SECRET_PROPERTY = re.compile(r"password|secret|\.pem$|oauthbearer\.config|^ssl\.key\.|^ssl\.keystore\.", re.IGNORECASE)
@@ -352,7 +351,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         idle_since = time.monotonic()
         while True:
             self._raise_fatal()
-            messages = consumer.consume(min(max_records, _FETCH_MESSAGES), self.spec.poll_timeout)
+            messages = self._fetch(consumer, min(max_records, _FETCH_MESSAGES))
             yielded = False
             for message in messages:
                 for batch in self._take(message, max_records):
@@ -363,14 +362,25 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
                     if self._pending[partition]:
                         yielded = True
                         yield self._flush(partition)
+            if not self.follow and self._assigned is not None and self._at_end >= self._assigned:
+                return  # every assigned partition read to its end: no further fetch waits out poll_timeout
             if yielded:
                 idle_since = time.monotonic()
                 continue
-            if not self.follow and self._assigned is not None and self._at_end >= self._assigned:
-                return
             if self.follow and time.monotonic() - idle_since >= self.spec.idle_batch_every:
                 yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset())
                 idle_since = time.monotonic()
+
+    def _fetch(self, consumer: Consumer, count: int) -> list:
+        """What librdkafka already holds (up to count), without waiting; else the next message within poll_timeout.
+
+        consume(count, timeout) waits out the whole timeout unless count messages arrive, so the last fetch of
+        a partition's backlog (and of every run) used to wait poll_timeout for messages that were not coming."""
+        messages = consumer.consume(count, 0)
+        if messages:
+            return messages
+        message = consumer.poll(self.spec.poll_timeout)
+        return [] if message is None else [message]
 
     def _take(self, message, max_records: int) -> Iterator[ChangeBatch]:
         error = message.error()
