@@ -63,11 +63,11 @@ def produce(cluster, messages, *, topic: str = TOPIC, **producer_config) -> None
         raise RuntimeError("not every message was delivered")
 
 
-def check_retention(cluster, partitions: int) -> None:
+def check_retention(cluster, partitions: int, *, topic: str = TOPIC) -> None:
     probe = Consumer(cluster.client_config(**{"group.id": "bench-probe"}))
     try:
         for partition in range(partitions):
-            low, high = probe.get_watermark_offsets(TopicPartition(TOPIC, partition), timeout=30)
+            low, high = probe.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
             if low != 0:
                 raise SystemExit(f"the mock dropped the oldest batches of partition {partition} (log starts at {low} of {high}): "
                                  "use more --partitions")

@@ -1,20 +1,25 @@
-"""`partfin ingest` from Kafka scaled out: a group of 1, 2 and 4 processes, one table (goal: 2 >= 1.6x 1).
+"""`partfin ingest` from Kafka scaled out: a group of 1, 2 and 4 processes, one table (goal: 2 >= 1.6x 1, 4 >= 2).
 
-    .venv/bin/python bench/bench_kafka_scale_out.py [--messages 200000] [--partitions 64] [--checkpoint-records 5000]
-                                                   [--processes 1,2,4] [--repeats 2]
+    .venv/bin/python bench/bench_kafka_scale_out.py [--messages 600000] [--partitions 96] [--checkpoint-records 10000]
+                                                   [--note-bytes 0] [--processes 1,2,4] [--repeats 2]
 
-Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process); a
-topic of --partitions partitions per run; N `partfin -v ingest --follow` processes in a new consumer group,
-into a fresh PARTFIN_HOME, started on the empty topic and left until the group has given each its share
-of the partitions (their logs say so).
-Timed: --messages Debezium update events of ~1 KB (the events of bench_kafka_ingest.py) produced to the
-topic at once, until the processes' progress lines report every one committed: the throughput of a running
-group (decoding, writing and committing in each process), without Python's start or the group's first join,
-which a long-running group pays once. The processes are then stopped (SIGTERM) and the table is checked to
-hold every event once. --repeats passes, each running every process count back to back (so the shared
-machine's load hits them alike), each pass starting with the next count (the first run of a pass is often slower).
-Reported: events/s per process count (median), the median per-pass ratio to one process, and the commit
-retries per checkpoint (commits that lost a race to another process's commit, from the progress lines).
+Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process) and one
+topic of --partitions partitions holding --messages Debezium update events (~500 bytes; --note-bytes 250 makes
+them ~1 KB), produced before any reader starts: the backlog a group is scaled out for, read in full by every run.
+Each run: N `partfin -v ingest --follow` processes in a consumer group of their own, into a fresh PARTFIN_HOME.
+Timed: from the moment the group is formed (every process reports its share of the partitions) until the
+processes' progress lines report every event committed; what was committed before is left out of the rate. So
+the figure is a running group's throughput (decoding, writing and committing in each process), without Python's
+start or the group's joins, which a long-running group pays once. The processes are then stopped (SIGTERM) and
+the table is checked to hold every event once. --repeats passes, each running every process count back to back
+(so the shared machine's load hits them alike), each pass starting with the next count.
+Reported: events/s per process count (median), the median per-pass ratio to one process, the CPU seconds the
+processes used in the timed part per 100,000 events (what more processes cost on the same cores), the
+checkpoints committed and the commit retries per checkpoint (commits that lost a race to another process's commit, from the
+progress lines).
+
+The mock keeps at most 5 MB of record batches per partition: the bench stops if a partition no longer starts at
+offset 0 (use more --partitions).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog  # noqa: E402
 from partfin_assets_tests.kafka_cluster import mock_kafka_cluster  # noqa: E402
-from bench_kafka_ingest import events, produce  # noqa: E402
+from bench_kafka_ingest import TOPIC, check_retention, events, produce  # noqa: E402
 from _sizes import parse_sizes  # noqa: E402
 
 PROGRESS = re.compile(r"checkpoint \d+\s+records ([\d,]+).*?(?:commit retries (\d+))?$")
@@ -71,6 +76,11 @@ class Member:
                     self.assigned = json.loads(assigned.group(1))
                 self.changed.notify_all()
 
+    def cpu_seconds(self) -> float:
+        """User and system CPU the process has used so far (Linux: /proc/PID/stat)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         if self.process.wait(timeout=60) not in (0, 143):
@@ -87,39 +97,40 @@ def wait_for(condition, what: str, members: list[Member]) -> None:
         time.sleep(0.05)
 
 
-def scale_out(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, int, int]:
-    """A group of `processes` ingest processes, formed; then --messages produced: (seconds until all are committed,
-    checkpoints, commit retries)."""
+def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, float, int, int]:
+    """A group of `processes` ingest processes reading the whole topic: (events/s once the group is formed, the
+    processes' CPU seconds per 100,000 of those events, checkpoints, commit retries)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
     env["PARTFIN_HOME"] = str(home)
-    cluster.create_topic(topic, options.partitions)
-    source = f"kafka:{cluster.bootstrap_servers}#{topic},group={topic},{GROUP}"
+    source = f"kafka:{cluster.bootstrap_servers}#{topic},group=bench-{home.name},{GROUP}"
     command = [sys.executable, "-m", "partfin_assets.cli", "-v", "ingest", "--table", "orders", "--source", source,
                "--primary-key", "id", "--checkpoint-records", str(options.checkpoint_records), "--follow"]
     members = [Member(command, env) for _ in range(processes)]
     share = -(-options.partitions // processes)  # each member's share once the group is formed
     wait_for(lambda: all(m.assigned is not None and 0 < len(m.assigned) <= share for m in members)
              and sum(len(m.assigned) for m in members) == options.partitions, "the group to form", members)
-    messages = events(options.messages, options.note_bytes)
-    started = time.perf_counter()
-    produce(cluster, messages, topic=topic)
+    formed = time.perf_counter()
+    committed_before = sum(m.records for m in members)
+    cpu_before = sum(m.cpu_seconds() for m in members)
     wait_for(lambda: sum(m.records for m in members) >= options.messages, "every event committed", members)
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - formed
+    timed_events = options.messages - committed_before
+    cpu_per_100k = (sum(m.cpu_seconds() for m in members) - cpu_before) * 100_000 / timed_events
     for member in members:
         member.stop()
     rows = load_partfin_catalog(home).load_table("cdc.orders").scan(selected_fields=("source_log", "source_seq")).to_arrow()
     once = len(set(zip(rows.column("source_log").to_pylist(), rows.column("source_seq").to_pylist())))
     if rows.num_rows != options.messages or once != options.messages:
         raise RuntimeError(f"{processes} processes: {rows.num_rows} records at {once} positions, not {options.messages} once each")
-    return seconds, sum(m.checkpoints for m in members), sum(m.retries for m in members)
+    return timed_events / seconds, cpu_per_100k, sum(m.checkpoints for m in members), sum(m.retries for m in members)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=200_000)
-    parser.add_argument("--partitions", type=int, default=64)  # the mock keeps 5 MB per partition
-    parser.add_argument("--checkpoint-records", type=int, default=5_000)
-    parser.add_argument("--note-bytes", type=int, default=250, help="bytes of text in each event's note column (250: ~1 KB events)")
+    parser.add_argument("--messages", type=int, default=600_000)  # ~20 s of one process here
+    parser.add_argument("--partitions", type=int, default=96)  # the mock keeps 5 MB per partition
+    parser.add_argument("--checkpoint-records", type=int, default=10_000)
+    parser.add_argument("--note-bytes", type=int, default=0, help="bytes of text in each event's note column (250: ~1 KB events)")
     parser.add_argument("--processes", default="1,2,4", help="process counts to compare, the first is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
     options = parse_sizes(parser, smoke=dict(messages=400, partitions=4, checkpoint_records=100, processes="1,2", repeats=1))
@@ -127,12 +138,19 @@ def main() -> None:
 
     rates: dict[int, list[float]] = {n: [] for n in counts}
     retries: dict[int, list[float]] = {n: [] for n in counts}
+    checkpoints: dict[int, list[int]] = {n: [] for n in counts}
+    cpu: dict[int, list[float]] = {n: [] for n in counts}
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
+        cluster.create_topic(TOPIC, options.partitions)
+        produce(cluster, events(options.messages, options.note_bytes))
+        check_retention(cluster, options.partitions)
         for repeat in range(options.repeats):
             for n in counts[repeat % len(counts):] + counts[:repeat % len(counts)]:  # each count first in turn: the order matters
-                seconds, checkpoints, lost = scale_out(cluster, f"orders-{n}-{repeat}", Path(tmp) / f"{n}-{repeat}", n, options)
-                rates[n].append(options.messages / seconds)
-                retries[n].append(lost / max(checkpoints, 1))
+                rate, cpu_per_100k, committed, lost = read_backlog(cluster, TOPIC, Path(tmp) / f"{n}-{repeat}", n, options)
+                rates[n].append(rate)
+                cpu[n].append(cpu_per_100k)
+                checkpoints[n].append(committed)
+                retries[n].append(lost / max(committed, 1))
 
     baseline = counts[0]
     print(json.dumps({
@@ -140,6 +158,8 @@ def main() -> None:
         "repeats": options.repeats, "cpus": os.cpu_count(),
         "events_per_s": {str(n): round(statistics.median(rates[n])) for n in counts},
         "vs_one_process": {str(n): round(statistics.median(r / b for r, b in zip(rates[n], rates[baseline])), 3) for n in counts},
+        "cpu_seconds_per_100k_events": {str(n): round(statistics.median(cpu[n]), 2) for n in counts},
+        "checkpoints": {str(n): round(statistics.median(checkpoints[n])) for n in counts},
         "commit_retries_per_checkpoint": {str(n): round(statistics.median(retries[n]), 3) for n in counts},
         "goal": "2 processes >= 1.6x one; 4 no slower than 2",
     }, indent=2))
