@@ -1,6 +1,7 @@
 """A fast backlog of small checkpoints (`partfin ingest`, real process): the table keeps a bounded number
 of snapshots whatever the commit rate, and the watermarks and late counts are those the policy gives over
-the stream's whole history (the ledger), as if no snapshot had expired.
+the stream's whole history (the ledger), as if no snapshot had expired. Many progress streams (Kafka
+partitions) share that bound, with the same watermarks as when every window is kept.
 
 The default policy (late-budget, still on its 30-minute fallback window: too little history to learn from)
 looks at every commit of the last 30 minutes of arrival; here that is ~50 checkpoints, each of which used
@@ -9,8 +10,14 @@ to be kept as a snapshot.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import polars as pl
+
+from partfin_assets.iceberg import expiry
+from partfin_assets.iceberg.streams import streams_of
+from partfin_assets.ingest.writer import CdcWriter
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, ledger_commit_stats, read_ledger
@@ -22,6 +29,7 @@ from partfin_assets.watermark.policy import WatermarkPolicy
 from partfin_assets.watermark.registry import parse_policy
 from partfin_assets.watermark.step import advance
 from partfin_assets_tests.cdc_files import orders_lines, write_lines
+from partfin_assets_tests.conftest import MINUTE_US, ORDERS, T0_US, change_batch
 from partfin_assets_tests.scenario_helpers import ms, partfin
 
 RECORDS, PER_CHECKPOINT = 1200, 4
@@ -91,3 +99,39 @@ def test_fast_backlog_keeps_few_snapshots_and_the_same_watermarks(tmp_path):
 
     # ... while the table kept a bounded number of snapshots
     assert len(table.metadata.snapshots) <= SNAPSHOT_BOUND, len(table.metadata.snapshots)
+
+
+def test_many_partition_streams_share_the_snapshot_bound_with_the_same_watermarks(catalog, monkeypatch):
+    """30 partition streams on a count window (min-of-last:5): expiry used to keep each stream's last 5 commits
+    (20 for longer windows: a 64-partition table kept 1,280 snapshots and a commit cost 14x a fresh table's).
+    Now all streams' windows share TABLE_WINDOW_SNAPSHOTS, each keeping at least its newest commit, and the rest
+    of a window comes from the ledger: the watermark and every stream's progress after each checkpoint are the
+    same as on a table that keeps every window (the bound lifted)."""
+    partitions, rounds = 30, 10
+    rng = np.random.default_rng(11)
+    batches = []
+    for r in range(rounds):
+        for p in range(partitions):
+            # each partition's changes an hour apart per round, a few 3 hours behind: the window's minimum matters
+            times = T0_US + (r * 60 + np.sort(rng.integers(0, 60, 4))) * MINUTE_US - rng.choice([0] * 15 + [180], 4) * MINUTE_US
+            batches.append(dataclasses.replace(change_batch(times, offset=f"{r}", seq_start=r * 4), stream=f"topic-{p}"))
+
+    def ingest(spec) -> tuple[list[tuple[str | None, int | None]], int]:
+        writer = CdcWriter(catalog, dataclasses.replace(spec, watermark_policy="min-of-last:5"))
+        seen = []
+        for batch in batches:
+            writer.write_checkpoint(batch)
+            properties = writer.table.properties
+            seen.append((properties.get(K.PROP_WATERMARK), streams_of(properties)[writer.stream_id(batch.stream)].progress_us))
+        return seen, len(writer.table.metadata.snapshots)
+
+    bounded, kept = ingest(ORDERS)
+    with monkeypatch.context() as lifted:
+        lifted.setattr(expiry, "TABLE_WINDOW_SNAPSHOTS", 10**6)
+        every_window, kept_unbounded = ingest(dataclasses.replace(ORDERS, name="orders_all_windows"))
+
+    assert bounded == every_window
+    assert len({w for w, _ in bounded if w is not None}) >= 3  # the watermark moved: the windows made a difference
+    retention = expiry.Retention()
+    assert kept <= retention.keep_last + retention.slack + max(expiry.TABLE_WINDOW_SNAPSHOTS, partitions + 1) + 1, kept
+    assert kept_unbounded >= partitions * 5  # what the bound saves here

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from confluent_kafka import Consumer, TopicPartition
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
+from partfin_assets.iceberg.expiry import TABLE_WINDOW_SNAPSHOTS, Retention
 from partfin_assets.iceberg.streams import positions_of, set_idle_timeout, streams_of
 from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.model import summary_keys as K
@@ -245,6 +246,24 @@ def test_a_run_ends_when_its_partitions_are_read_without_waiting_out_the_poll_ti
     assert process.returncode == 0, stderr.decode()
     assert recorded_partitions(load_partfin_catalog(home).load_table("cdc.orders")) == {"0": 30, "1": 30}
     assert cdc_rows(home).num_rows == 60
+
+
+def test_a_topic_of_many_partitions_keeps_a_bounded_number_of_snapshots(tmp_path, kafka_cluster):
+    """Each partition is a progress stream, and expiry used to keep up to 20 commits of each stream's window: a
+    64-partition table kept 1,280 snapshots and every commit rewrote metadata that large (14x a fresh table's
+    commit). All streams' windows now share one bound (each keeps at least its newest commit)."""
+    partitions, per_partition = 16, 32
+    kafka_cluster.create_topic(TOPIC, partitions)
+    for partition in range(partitions):
+        produce_to(kafka_cluster, partition, per_minute([partition * 10 + i for i in range(3)], 0, per_partition))
+    home = tmp_path / "home"
+    run_ingest(home, kafka_spec(kafka_cluster), "--checkpoint-records", "4")
+    table = load_partfin_catalog(home).load_table("cdc.orders")
+    assert recorded_partitions(table) == {str(p): per_partition for p in range(partitions)}
+    assert cdc_rows(home).num_rows == partitions * per_partition  # 128 checkpoints
+    retention = Retention()
+    bound = retention.keep_last + retention.slack + max(TABLE_WINDOW_SNAPSHOTS, partitions + 1) + 1
+    assert len(table.metadata.snapshots) <= bound, len(table.metadata.snapshots)
 
 
 def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:

@@ -3,9 +3,10 @@
 Commit cost in PyIceberg grows with the snapshots kept in table metadata, so a
 streaming writer expires old snapshots as it goes. Never expired: the newest
 `keep_last` snapshots of main, the newest commits of each progress stream's policy window (its last X
-stats-bearing commits, or those of the last span of arrival; at most WINDOW_SNAPSHOTS of them, so what
-is kept is bounded by count whatever the commit rate: a policy whose window reaches further reads the rest
-from the late-data ledger, ingest/watermark_processor.py), the newest checkpoint of every writer (its resume
+stats-bearing commits, or those of the last span of arrival; at most WINDOW_SNAPSHOTS of them, and fewer when
+many streams share the table (TABLE_WINDOW_SNAPSHOTS for all, at least the newest of each), so what is kept is
+bounded by count whatever the commit rate and the partitions: a policy whose window reaches further reads the
+rest from the late-data ledger, ingest/watermark_processor.py), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
 branch or tag points at (the upsert tags the CDC snapshot it merged, the finalization sensor each
 finalized hour of base). A tag or branch with `max-ref-age-ms` older than that (the age of the snapshot
@@ -28,6 +29,7 @@ from pyiceberg.table.snapshots import Snapshot
 from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
+from partfin_assets.iceberg.streams import stream_count
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats, source_clock_us
@@ -37,11 +39,21 @@ log = logging.getLogger(__name__)
 # the most commits of a stream's policy window kept as snapshots: a writer checkpointing every second must not
 # keep (and rewrite with every commit's metadata) the 1,800 snapshots of a 30-minute window
 WINDOW_SNAPSHOTS = 20
+# ... and of all the table's streams' windows together: a table fed by 64 Kafka partitions kept 20 of each (1,280
+# snapshots) and a commit cost 14x a fresh table's. Each stream keeps at least its newest commit, so that the
+# stream's next commit sees it before it can go (the watermark processor's history of a stream counts on that).
+TABLE_WINDOW_SNAPSHOTS = 40
 
 
-def window_retained(window: CommitWindow) -> bool:
+def window_snapshots(metadata: TableMetadata) -> int:
+    """How many commits of each progress stream's policy window expiry keeps as snapshots. Streams are never
+    forgotten, so this only ever falls as a table gains streams: what a commit counted on being kept is."""
+    return max(1, min(WINDOW_SNAPSHOTS, TABLE_WINDOW_SNAPSHOTS // max(stream_count(metadata.properties), 1)))
+
+
+def window_retained(window: CommitWindow, metadata: TableMetadata) -> bool:
     """Whether expiry keeps all of `window` as snapshots (else the watermark reads the rest from the ledger)."""
-    return window.commits is not None and window.commits <= WINDOW_SNAPSHOTS
+    return window.commits is not None and window.commits <= window_snapshots(metadata)
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
     if isinstance(window, int):
         window = CommitWindow(commits=window)
     keep: set[int] = {ref.snapshot_id for name, ref in metadata.refs.items() if name not in dropped_refs}
+    kept_per_stream = min(window.commits or WINDOW_SNAPSHOTS, window_snapshots(metadata))
     stats_seen: dict[str | None, int] = {}  # per stream: its policy window
     newest_clock: dict[str | None, int] = {}
     writers_seen: set[str] = set()
@@ -82,7 +95,7 @@ def protected_snapshot_ids(metadata: TableMetadata, keep_last: int, window: Comm
         writer = summary.get(K.WRITER_ID)
         stream = commit_stream(summary)
         taken = stats_seen.get(stream, 0)
-        if taken < min(window.commits or WINDOW_SNAPSHOTS, WINDOW_SNAPSHOTS) and commit_stats(summary) is not None:
+        if taken < kept_per_stream and commit_stats(summary) is not None:
             clock = source_clock_us(summary) or commit_clock_us(summary, snapshot.timestamp_ms)  # its arrival clock
             newest = newest_clock.setdefault(stream, clock)
             if window.holds(taken, clock, newest):

@@ -177,6 +177,11 @@ def streams_of(properties: Mapping[str, str]) -> dict[str, Stream]:
     return {key[len(prefix):]: Stream.decode(key[len(prefix):], value) for key, value in properties.items() if key.startswith(prefix)}
 
 
+def stream_count(properties: Mapping[str, str]) -> int:
+    """How many progress streams the table knows (retired ones included: a stream is never forgotten)."""
+    return sum(1 for key in properties if key.startswith(K.PROP_STREAM_PREFIX))
+
+
 def idle_timeout_us(properties: Mapping[str, str]) -> int:
     return STREAMS_IDLE_TIMEOUT.read(properties)
 

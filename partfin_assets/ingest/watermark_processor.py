@@ -13,7 +13,7 @@ from pyiceberg.expressions import EqualTo, GreaterThanOrEqual
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.expiry import window_retained
-from partfin_assets.iceberg.history import StreamWindow, applied_policy, late_records_total, stream_window, watermark_of
+from partfin_assets.iceberg.history import StreamWindow, applied_policy, late_records_total, snapshot_commit_stats, stream_window, watermark_of
 from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, dotted_identifier, ledger_commit_stats, read_ledger
 from partfin_assets.iceberg.streams import active_streams, idle_timeout_us, progress_floor, streams_of
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -130,7 +130,8 @@ class WatermarkProcessor(CommitProcessor):
     def __init__(self, alert_hooks: list[Callable[[LateDataAlert], None]] | None = None) -> None:
         self.alert_hooks = alert_hooks if alert_hooks is not None else [log_late_data]
         # per (table, stream, with digests): the stream's commits a window longer than what expiry keeps may reach,
-        # by snapshot id: read from the ledger once, then every retained commit seen added (before it can expire)
+        # by snapshot id: read from the ledger once, then every retained commit seen (before it can expire) and every
+        # commit of its own added
         self._history: dict[tuple[str, str, bool], dict[int, CommitStats]] = {}
 
     def pre_commit(self, ctx: CommitContext) -> None:
@@ -191,7 +192,9 @@ class WatermarkProcessor(CommitProcessor):
                               with_digest=policy.needs_digest, writer_id=ctx.writer_id, stream_id=ctx.stream)
         retained = this_commit + found.commits
         if change is None or change.settled(policy.window, retained, found.boundary):
-            return retained if window_retained(policy.window) else self._with_history(ctx, policy, tolerance_us, this_commit, found)
+            if window_retained(policy.window, ctx.table.metadata):
+                return retained
+            return self._with_history(ctx, policy, tolerance_us, this_commit, found)
         recorded = _ledger_commits(ctx, policy, tolerance_us)
         known = {c.snapshot_id: c for c in recorded if c.clock_us < ctx.clock_us}
         known.update({c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None})
@@ -212,7 +215,8 @@ class WatermarkProcessor(CommitProcessor):
                       found: StreamWindow) -> list[CommitStats]:
         """The window of a policy that reaches further back than expiry keeps snapshots (a span, a long count): the
         retained commits, then the stream's older ones as the ledger recorded them (every checkpoint reaches it before
-        its snapshot can expire), read once per stream, then every retained commit seen added before it can expire."""
+        its snapshot can expire), read once per stream, then every retained commit seen added before it can expire,
+        and this processor's own commits once they landed."""
         key = (ctx.table_name, ctx.stream, policy.needs_digest)
         history = self._history.get(key)
         retained = {c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None}
@@ -255,6 +259,11 @@ class WatermarkProcessor(CommitProcessor):
         return state
 
     def post_commit(self, ctx: CommitContext, snapshot: Snapshot) -> None:
+        for with_digest in (False, True):
+            history = self._history.get((ctx.table_name, ctx.stream, with_digest))
+            entry = snapshot_commit_stats(snapshot, with_digest) if history is not None else None
+            if entry is not None:  # known at once: expiry may keep only a stream's newest commit
+                history[snapshot.snapshot_id] = entry
         suspect = suspect_future(ctx.summary)
         if suspect:
             log.warning(
