@@ -135,3 +135,26 @@ def test_many_partition_streams_share_the_snapshot_bound_with_the_same_watermark
     retention = expiry.Retention()
     assert kept <= retention.keep_last + retention.slack + max(expiry.TABLE_WINDOW_SNAPSHOTS, partitions + 1) + 1, kept
     assert kept_unbounded >= partitions * 5  # what the bound saves here
+
+
+def test_a_stream_reads_the_ledger_once_when_a_process_resumes_it_never_while_it_writes(catalog, monkeypatch):
+    """The default policy's window (30 minutes of arrival) reaches past what expiry keeps, so a stream's older commits
+    come from the ledger: read when a process first commits a stream that has a history, never for a stream's first
+    checkpoint (nothing of it landed: a new 96-partition table used to read it 96 times in its first commits) nor
+    again while the process goes on (its own commits are added as they land)."""
+    from partfin_assets.ingest import watermark_processor
+
+    reads: list[str] = []
+    real_read = watermark_processor._ledger_commits  # a stream's rows (the policy's learning reads the ledger too)
+    monkeypatch.setattr(watermark_processor, "_ledger_commits", lambda *a, **k: reads.append("read") or real_read(*a, **k))
+    spec = dataclasses.replace(ORDERS, watermark_policy=None)  # the default policy
+    batches = [dataclasses.replace(change_batch(T0_US + np.arange(4) * MINUTE_US + r * 10 * MINUTE_US, offset=str(r),
+                                                seq_start=r * 4), stream=f"topic-{r % 4}") for r in range(16)]
+    writer = CdcWriter(catalog, spec)
+    for batch in batches[:12]:
+        writer.write_checkpoint(batch)
+    assert reads == []
+    resumed = CdcWriter(catalog, spec)  # another process takes topic-0 and topic-1 over
+    for batch in batches[12:14] + batches[12:14]:
+        resumed.write_checkpoint(dataclasses.replace(batch, offset=batch.offset + "b"))
+    assert len(reads) == 2  # once per stream it resumed

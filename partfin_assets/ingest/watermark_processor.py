@@ -221,8 +221,10 @@ class WatermarkProcessor(CommitProcessor):
         history = self._history.get(key)
         retained = {c.snapshot_id: c for c in [*found.commits, found.boundary] if c is not None}
         if history is None or (retained and history.keys().isdisjoint(retained)):
-            # first use, or another process committed on this stream meanwhile beyond what is retained (a fenced twin)
-            history = self._history[key] = {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us)}
+            # first use, or another process committed on this stream meanwhile beyond what is retained (a fenced twin);
+            # a stream's first checkpoint has nothing to read (its position, compared and set, says none landed)
+            first = ctx.checkpoint_id == 1 and not retained
+            history = self._history[key] = {} if first else {c.snapshot_id: c for c in _ledger_commits(ctx, policy, tolerance_us)}
         history.update(retained)  # as the snapshots recorded them: the ledger has them once they expire
         window, beyond = window_of(policy.window, this_commit, sorted(history.values(), key=lambda c: c.clock_us or 0, reverse=True))
         if beyond is not None and len(history) > 2 * len(window) + 64:  # forget what no window can reach any more
