@@ -47,7 +47,7 @@ TABLE_WINDOW_SNAPSHOTS = 40
 
 def window_snapshots(metadata: TableMetadata) -> int:
     """How many commits of each progress stream's policy window expiry keeps as snapshots. Streams are never
-    forgotten, so this only ever falls as a table gains streams: what a commit counted on being kept is."""
+    forgotten, so this only ever falls as a table gains streams: what a commit counted on being kept stays kept."""
     return max(1, min(WINDOW_SNAPSHOTS, TABLE_WINDOW_SNAPSHOTS // max(stream_count(metadata.properties), 1)))
 
 
