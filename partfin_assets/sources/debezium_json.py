@@ -86,7 +86,7 @@ class RejectedMessage(PartfinError, ValueError):
     """A message that is not a usable change event; the text is the reason."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodedChange:
     op: str
     key_values: dict[str, Any]

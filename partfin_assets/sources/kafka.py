@@ -86,8 +86,8 @@ from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, new_table_key
 from partfin_assets.model.timeutil import from_us, parse_duration
-from partfin_assets.sources.debezium import change_records
-from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJsonDecoder, DecodedChange, DecodedHeartbeat, RejectedMessage
+from partfin_assets.sources.debezium import ChangeColumns
+from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJsonDecoder, DecodedHeartbeat, RejectedMessage
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class KafkaOffset:
 class _Pending:
     """Messages of one partition consumed but not yet yielded."""
 
-    changes: list[tuple[int, DecodedChange]] = field(default_factory=list)
+    changes: ChangeColumns
     rejected: list[tuple[int, str, str]] = field(default_factory=list)  # offset, raw, reason
     next_offset: int | None = None  # after the last message consumed (None: nothing pending)
 
@@ -404,7 +404,9 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         if self._assigned is not None and partition not in self._assigned:
             return  # fetched before a rebalance took the partition away
         self._at_end.discard(partition)
-        pending = self._pending.setdefault(partition, _Pending())
+        pending = self._pending.get(partition)
+        if pending is None:
+            pending = self._pending[partition] = _Pending(ChangeColumns(self.primary_key))
         offset = message.offset()
         value = message.value()
         try:
@@ -427,7 +429,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
                 kind, timestamp_ms = message.timestamp()
                 if kind != TIMESTAMP_NOT_AVAILABLE and implausible_event_time(timestamp_ms * 1000) is None:
                     decoded = replace(decoded, arrival_us=timestamp_ms * 1000)
-            pending.changes.append((offset, decoded))
+            pending.changes.append(offset, decoded)
         pending.next_offset = offset + 1  # a tombstone is consumed too
         if len(pending.changes) + len(pending.rejected) >= max_records:
             yield self._flush(partition)
@@ -445,7 +447,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             },
             schema=REJECTED_RECORD_SCHEMA,
         )
-        return ChangeBatch(change_records(self.primary_key, pending.changes), self._offset_of(partition), rejected=rejected,
+        return ChangeBatch(pending.changes.to_records(), self._offset_of(partition), rejected=rejected,
                            stream=self.stream_of(partition))
 
     def assigned_streams(self) -> list[str]:
