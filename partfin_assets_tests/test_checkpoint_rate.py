@@ -11,12 +11,15 @@ to be kept as a snapshot.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import numpy as np
 import polars as pl
+import pytest
 
 from partfin_assets.iceberg import expiry
 from partfin_assets.iceberg.streams import streams_of
+from partfin_assets.ingest.session import IngestSession
 from partfin_assets.ingest.writer import CdcWriter
 
 from partfin_assets.iceberg.catalog import load_partfin_catalog
@@ -24,6 +27,7 @@ from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, ledger_commit_st
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
 from partfin_assets.model.timeutil import floor_hour_us
+from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
 from partfin_assets.watermark.late_budget import LATE_BUDGET
 from partfin_assets.watermark.policy import WatermarkPolicy
 from partfin_assets.watermark.registry import parse_policy
@@ -158,3 +162,19 @@ def test_a_stream_reads_the_ledger_once_when_a_process_resumes_it_never_while_it
     for batch in batches[12:14] + batches[12:14]:
         resumed.write_checkpoint(dataclasses.replace(batch, offset=batch.offset + "b"))
     assert len(reads) == 2  # once per stream it resumed
+
+
+def test_an_ingest_session_keeps_the_collector_off_what_the_process_held_before_it_and_gives_it_back(catalog):
+    """A session freezes what the process holds when it starts (modules, catalog, table metadata) so the cyclic
+    collector's full collections walk only what comes after; it thaws at the end, also after an error, so a process
+    that runs sessions one after another (a Dagster run, tests) collects its garbage as before."""
+    source = SyntheticSource(seed=3, hours=1.0)
+    with IngestSession(catalog, ORDERS_SPEC, source) as session:
+        assert gc.get_freeze_count() > 10_000
+        assert sum(1 for _ in session.run(max_records=500, max_checkpoints=2)) == 2
+    assert gc.get_freeze_count() == 0
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        with IngestSession(catalog, ORDERS_SPEC, SyntheticSource(seed=3, hours=1.0)):
+            raise RuntimeError("stopped")
+    assert gc.get_freeze_count() == 0

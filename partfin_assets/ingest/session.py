@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterator
 
 from pyiceberg.catalog import Catalog
@@ -86,9 +87,15 @@ class IngestSession:
         return self.writer.read_checkpoints(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
 
     def __enter__(self) -> IngestSession:
+        # What the process holds once the writer is up (modules, catalog, table metadata: ~170,000 objects) lives as
+        # long as the session, yet the cyclic collector walked all of it on every full collection (four Kafka members
+        # on two cores: 1.6 s of collection each per run, 1.0 s frozen). Frozen, a collection walks only what came
+        # after; thawed at the end, so a process that runs sessions one after another collects as before.
+        gc.freeze()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        gc.unfreeze()
         try:
             self.writer.close()  # records the pending checkpoints in the ledger
             if exc_type is None or issubclass(exc_type, KeyboardInterrupt):  # --follow ends with Ctrl-C: the columns are kept
