@@ -15,11 +15,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from partfin_assets.model.change_columns import ChangeColumns
 from partfin_assets.model.record_keys import canonical_key, key_json_column
 from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import to_us
-from partfin_assets.sources.debezium import ChangeColumns, DebeziumFileSource
+from partfin_assets.sources.debezium import DebeziumFileSource
 from partfin_assets.sources.debezium_json import DebeziumJsonDecoder
 from partfin_assets.sources.registry import make_source
 from partfin_assets.sources.synthetic import ORDERS_SPEC, SyntheticSource
@@ -545,7 +546,8 @@ def test_changes_held_before_a_checkpoint_are_columns_the_collector_walks_in_a_f
     decoder = DebeziumJsonDecoder("t", ("id",), None)
     columns = ChangeColumns(("id",))
     for seq in range(5_000):
-        columns.append(seq * 2, decoder.decode(change_line({"id": seq % 300, "amount": 1.5, "note": "n"}, 1_714_521_600_000 + seq)))
+        change = decoder.decode(change_line({"id": seq % 300, "amount": 1.5, "note": "n"}, 1_714_521_600_000 + seq))
+        columns.append(seq * 2, change.op, change.key_values, change.event_time_us, change.payload, change.arrival_us)
     assert len(columns) == 5_000
     assert collector_walk(columns) < 20
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from partfin_assets.model.change_columns import ChangeColumns
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.redaction import redact
-from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, CdcSource, ChangeBatch, DiscoversColumns, ReplayableSource
+from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, CdcSource, ChangeBatch, DiscoversColumns, ReplayableSource
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, new_table_key
 from partfin_assets.model.timeutil import from_us
@@ -130,7 +130,7 @@ class DebeziumFileSource(ReplayableSource, DiscoversColumns):
             changes = ChangeColumns(self.primary_key)
             for number, decoded, _ in self._decoded(lines, position.line):
                 if isinstance(decoded, DecodedChange):
-                    changes.append(number, decoded)
+                    changes.append(number, decoded.op, decoded.key_values, decoded.event_time_us, decoded.payload, decoded.arrival_us)
             position = position.after(lines)
             yield changes.to_records()
         if position.byte != target.byte or (target.crc32 is not None and position.crc32 != target.crc32):
@@ -180,7 +180,7 @@ class DebeziumFileSource(ReplayableSource, DiscoversColumns):
                     heartbeat_us = decoded.time_us
                     break
                 elif decoded is not None:
-                    changes.append(number, decoded)
+                    changes.append(number, decoded.op, decoded.key_values, decoded.event_time_us, decoded.payload, decoded.arrival_us)
         if not consumed:
             return None, position
         after = position.after(consumed)
@@ -307,52 +307,6 @@ class DebeziumFileSource(ReplayableSource, DiscoversColumns):
                 log.warning("%s: its last line (%s) has no trailing newline: read as a complete line, this run treats the "
                             "file as complete", self.path, f"bytes {start:,} to {start + size:,}")
         return _Line(data, start, size, crc_after, tail[-_TAIL_BYTES:], oversized)
-
-class ChangeColumns:
-    """Decoded changes gathered column by column until they become CDC records (`to_records`), each with its
-    source_seq (a file's line number, a Kafka offset).
-
-    A Kafka source holds every partition's changes until that partition's batch is full or read to its end:
-    on a topic of many partitions, hundreds of thousands per process. Kept as (seq, change) pairs, each was
-    objects the cyclic garbage collector walks on every full collection (7x the time of these columns, which
-    hold only numbers and strings)."""
-
-    __slots__ = ("primary_key", "seqs", "ops", "keys", "event_times", "arrivals", "payloads")
-
-    def __init__(self, primary_key: tuple[str, ...]) -> None:
-        self.primary_key = primary_key
-        self.seqs: list[int] = []
-        self.ops: list[str] = []
-        self.keys: dict[str, list[Any]] = {name: [] for name in primary_key}
-        self.event_times: list[int] = []
-        self.arrivals: list[int | None] = []
-        self.payloads: list[str | None] = []
-
-    def append(self, seq: int, change: DecodedChange) -> None:
-        self.seqs.append(seq)
-        self.ops.append(change.op)
-        for name, column in self.keys.items():
-            column.append(change.key_values[name])
-        self.event_times.append(change.event_time_us)
-        self.arrivals.append(change.arrival_us)
-        self.payloads.append(change.payload)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def to_records(self) -> pa.Table:
-        return pa.table(
-            {
-                "key": key_json_column(self.keys) if self.seqs else pa.array([], pa.string()),
-                "op": pa.array(self.ops, pa.string()),
-                "event_time": pa.array(self.event_times, pa.int64()).cast(UTC_US),
-                "source_seq": pa.array(self.seqs, pa.int64()),
-                "payload": pa.array(self.payloads, pa.string()),
-                "arrival_time": pa.array(self.arrivals, pa.int64()).cast(UTC_US),
-            },
-            schema=CDC_RECORD_SCHEMA,
-        )
-
 
 def require_file(path: str | Path) -> Path:
     """The path of a Debezium file that exists; else SourceError (one line, before anything is created)."""

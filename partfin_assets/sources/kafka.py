@@ -69,6 +69,7 @@ from typing import Any
 import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, TopicPartition
 
+from partfin_assets.model.change_columns import ChangeColumns
 from partfin_assets.model.errors import SourceError
 from partfin_assets.model.records import (
     CDC_RECORD_SCHEMA,
@@ -86,7 +87,6 @@ from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, new_table_key
 from partfin_assets.model.timeutil import from_us, parse_duration
-from partfin_assets.sources.debezium import ChangeColumns
 from partfin_assets.sources.debezium_json import OVERSIZED_RAW_BYTES, DebeziumJsonDecoder, DecodedHeartbeat, RejectedMessage
 
 log = logging.getLogger(__name__)
@@ -429,7 +429,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
                 kind, timestamp_ms = message.timestamp()
                 if kind != TIMESTAMP_NOT_AVAILABLE and implausible_event_time(timestamp_ms * 1000) is None:
                     decoded = replace(decoded, arrival_us=timestamp_ms * 1000)
-            pending.changes.append(offset, decoded)
+            pending.changes.append(offset, decoded.op, decoded.key_values, decoded.event_time_us, decoded.payload, decoded.arrival_us)
         pending.next_offset = offset + 1  # a tombstone is consumed too
         if len(pending.changes) + len(pending.rejected) >= max_records:
             yield self._flush(partition)

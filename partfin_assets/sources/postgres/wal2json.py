@@ -35,9 +35,9 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 
+from partfin_assets.model.change_columns import ChangeColumns
 from partfin_assets.model.errors import PartfinError
-from partfin_assets.model.record_keys import key_json_column
-from partfin_assets.model.records import CDC_RECORD_SCHEMA, REJECTED_RECORD_SCHEMA, UTC_US, ChangeBatch
+from partfin_assets.model.records import REJECTED_RECORD_SCHEMA, ChangeBatch
 from partfin_assets.model.timeutil import to_us
 from partfin_assets.sources.postgres.column_types import text_value
 from partfin_assets.sources.postgres.position import Position, lsn_to_int, lsn_to_text
@@ -97,7 +97,7 @@ def drain(
     options = _peek_options(info, numbers_as_text)
     placeholders = ", ".join(["%s"] * len(options))
     window = max(4 * max_records, 1_000)
-    pending = _Pending()
+    pending = _Pending(ChangeColumns(info.key))
     reader = _TxnReader(info, position)
     while True:
         returned = 0
@@ -108,7 +108,7 @@ def drain(
             reader.row(lsn_text, data, pending)
             if len(pending) >= max_records:
                 yield reader.batch(pending), reader.position
-                pending = _Pending()
+                pending = _Pending(ChangeColumns(info.key))
         peek_conn.commit()
         if reader.position == delivered_before and reader.in_txn is None and returned >= window:
             window *= 2  # the slot is behind what was delivered (not yet committed): look further
@@ -155,15 +155,11 @@ class _Change:
 class _Pending:
     """Records of the batch being built."""
 
-    keys: list[dict[str, Any]] = field(default_factory=list)
-    ops: list[str] = field(default_factory=list)
-    times: list[int] = field(default_factory=list)
-    seqs: list[int] = field(default_factory=list)
-    payloads: list[str | None] = field(default_factory=list)
+    changes: ChangeColumns
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.ops) + len(self.rejected)
+        return len(self.changes) + len(self.rejected)
 
 
 class _Reject(PartfinError, ValueError):
@@ -222,11 +218,8 @@ class _TxnReader:
             seq = seq_base
             for change in changes:
                 seq = max(seq + 1, change_lsn)
-                pending.keys.append(change.key_values)
-                pending.ops.append(change.op)
-                pending.times.append(self.event_time_us)
-                pending.seqs.append(seq)
-                pending.payloads.append(change.payload)
+                # logical decoding sees a change once its transaction committed: the commit is its arrival
+                pending.changes.append(seq, change.op, change.key_values, self.event_time_us, change.payload, self.event_time_us)
         self.position = Position(self.in_txn, seq, self.index, self.safe)
 
     def _changes(self, change: dict[str, Any]) -> list[_Change]:
@@ -286,19 +279,7 @@ class _TxnReader:
         return {c: image[c] for c in self.info.key}
 
     def batch(self, pending: _Pending) -> ChangeBatch:
-        key_columns = {name: [k[name] for k in pending.keys] for name in self.info.key}
-        records = pa.table(
-            {
-                "key": key_json_column(key_columns) if pending.keys else pa.array([], pa.string()),
-                "op": pa.array(pending.ops, pa.string()),
-                "event_time": pa.array(pending.times, pa.int64()).cast(UTC_US),
-                "source_seq": pa.array(pending.seqs, pa.int64()),
-                "payload": pa.array(pending.payloads, pa.string()),
-                # logical decoding sees a change once its transaction committed: the commit is its arrival
-                "arrival_time": pa.array(pending.times, pa.int64()).cast(UTC_US),
-            },
-            schema=CDC_RECORD_SCHEMA,
-        )
+        records = pending.changes.to_records()
         rejected = pa.table(
             {
                 "source_seq": [r[0] for r in pending.rejected],
