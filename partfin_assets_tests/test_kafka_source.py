@@ -26,10 +26,11 @@ from partfin_assets.iceberg.streams import positions_of, set_idle_timeout, strea
 from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
+from partfin_assets.sources.kafka import fetch_queue_backoff_ms
 from partfin_assets.model.timeutil import parse_iso, to_us
 from partfin_assets_tests import debezium_messages as dbz
 from partfin_assets_tests.kafka_cluster import FAST_GROUP_SETTINGS
-from partfin_assets_tests.test_kafka_cluster import produce
+from partfin_assets_tests.test_kafka_cluster import produce, producer_for
 
 TOPIC = "dbserver1.public.orders"
 T0_MS = 1_793_491_200_000  # 2026-11-01T00:00:00Z
@@ -246,6 +247,38 @@ def test_a_run_ends_when_its_partitions_are_read_without_waiting_out_the_poll_ti
     assert process.returncode == 0, stderr.decode()
     assert recorded_partitions(load_partfin_catalog(home).load_table("cdc.orders")) == {"0": 30, "1": 30}
     assert cdc_rows(home).num_rows == 60
+
+
+def test_a_consumer_with_a_small_fetch_queue_commits_each_partition_once_not_a_checkpoint_per_fetch(tmp_path, kafka_cluster):
+    """A consumer whose fetch queue is small (queued.max.messages.kbytes, to bound memory over many partitions) empties
+    it faster than librdkafka fetches again: once the queue is over its bound, the next fetch waits
+    fetch.queue.backoff.ms (librdkafka's default 1 s), longer than poll_timeout (0.2 s), and an empty poll commits what
+    every partition holds. Each fetch became a checkpoint of each partition (the scale-out benchmark with a 4 MB
+    queue: 12 to 13 checkpoints per partition, a quarter to a sixth of the throughput). partfin now postpones such
+    fetches by a quarter of poll_timeout unless the spec sets fetch.queue.backoff.ms."""
+    partitions, per_partition = 4, 40
+    kafka_cluster.create_topic(TOPIC, partitions)
+    producer = producer_for(kafka_cluster)
+    for partition in range(partitions):
+        for n, message in enumerate(per_minute([partition * 10 + i for i in range(3)], 0, per_partition)):
+            producer.produce(TOPIC, key=message.key, value=message.value, timestamp=message.timestamp_ms, partition=partition)
+            if n % 2:
+                assert producer.flush(60) == 0  # record batches of 2 messages: a fetch returns whole batches
+    home = tmp_path / "home"
+    small_queue = "queued.min.messages=1,queued.max.messages.kbytes=1,max.partition.fetch.bytes=1024"  # ~2 messages a fetch
+    run_ingest(home, kafka_spec(kafka_cluster, extra=small_queue))
+    table = load_partfin_catalog(home).load_table("cdc.orders")
+    assert recorded_partitions(table) == {str(p): per_partition for p in range(partitions)}
+    assert cdc_rows(home).num_rows == partitions * per_partition
+    checkpoints = {stream: position.checkpoint_id for stream, position in positions_of(table.metadata, "orders-writer").items()
+                   if position.source_offset}
+    assert len(checkpoints) == partitions and max(checkpoints.values()) <= 2, checkpoints  # one each at its end (2: a slow fetch)
+
+
+def test_the_fetch_queue_backoff_is_a_quarter_of_poll_timeout_within_librdkafkas_default():
+    assert fetch_queue_backoff_ms(0.2) == 50
+    assert fetch_queue_backoff_ms(3600) == 1000  # poll_timeout=1h: never longer than librdkafka's own 1 s
+    assert fetch_queue_backoff_ms(0.001) == 1
 
 
 def test_a_topic_of_many_partitions_keeps_a_bounded_number_of_snapshots(tmp_path, kafka_cluster):

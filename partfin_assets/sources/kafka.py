@@ -110,6 +110,17 @@ _OWNED_PROPERTIES = {
 # long (and longer on a group coordinator that waits out the session before rebalancing); 10 s, Kafka's
 # default before 3.0, lets it read again within seconds. A member that stops cleanly leaves at once.
 _DEFAULT_PROPERTIES = {"session.timeout.ms": 10_000}
+_LIBRDKAFKA_FETCH_QUEUE_BACKOFF_MS = 1000  # librdkafka's own default
+
+
+def fetch_queue_backoff_ms(poll_timeout_s: float) -> int:
+    """How long librdkafka postpones a partition's next fetch while its fetch queue is over queued.min.messages or
+    queued.max.messages.kbytes (unless the spec sets fetch.queue.backoff.ms).
+
+    An empty poll of poll_timeout commits what every partition holds, so a postponed fetch must arrive well within
+    it: with librdkafka's 1 s, a consumer that empties a small queue (bounded memory over many partitions) faster
+    committed a checkpoint of every partition per fetch. A quarter of poll_timeout leaves room for the round trip."""
+    return max(1, min(_LIBRDKAFKA_FETCH_QUEUE_BACKOFF_MS, round(poll_timeout_s * 1000 / 4)))
 _OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse helpers)
 
 
@@ -291,6 +302,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         self.config: dict[str, Any] = {
             "client.id": f"partfin-{table.name}",
             **_DEFAULT_PROPERTIES,
+            "fetch.queue.backoff.ms": fetch_queue_backoff_ms(spec.poll_timeout),
             **spec.properties,
             **env_properties,
             "bootstrap.servers": spec.bootstrap,
