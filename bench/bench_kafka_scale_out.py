@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_kafka_scale_out.py [--messages 600000] [--partitions 96] [--checkpoint-records 10000]
                                                    [--note-bytes 0] [--processes 1,2,4] [--repeats 2]
+                                                   [--properties queued.max.messages.kbytes=4096,...]
 
 Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process) and one
 topic of --partitions partitions holding --messages Debezium update events (~500 bytes; --note-bytes 250 makes
@@ -14,9 +15,10 @@ start or the group's joins, which a long-running group pays once. The processes 
 the table is checked to hold every event once. --repeats passes, each running every process count back to back
 (so the shared machine's load hits them alike), each pass starting with the next count.
 Reported: events/s per process count (median), the median per-pass ratio to one process, the CPU seconds the
-processes used in the timed part per 100,000 events (what more processes cost on the same cores), the
-checkpoints committed and the commit retries per checkpoint (commits that lost a race to another process's commit, from the
-progress lines).
+processes used in the timed part per 100,000 events (what more processes cost on the same cores) and of them the
+kernel's (system time) and librdkafka's threads', the checkpoints committed and the commit retries per checkpoint
+(commits that lost a race to another process's commit, from the progress lines). --properties adds librdkafka consumer properties to every process's source spec (a smaller fetch
+queue, a fetch setting) to see what they change.
 
 The mock keeps at most 5 MB of record batches per partition: the bench stops if a partition no longer starts at
 offset 0 (use more --partitions).
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,15 +79,29 @@ class Member:
                     self.assigned = json.loads(assigned.group(1))
                 self.changed.notify_all()
 
-    def cpu_seconds(self) -> float:
-        """User and system CPU the process has used so far (Linux: /proc/PID/stat)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def cpu_seconds(self) -> Counter:
+        """CPU the process has used so far (Linux /proc): user, system, and how much of both librdkafka's threads used."""
+        user, system = clock_ticks(Path(f"/proc/{self.process.pid}/stat"))
+        librdkafka = 0
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            try:
+                if (task / "comm").read_text().startswith("rdk:"):
+                    librdkafka += sum(clock_ticks(task / "stat"))
+            except FileNotFoundError:
+                continue  # a thread that just ended
+        tick = os.sysconf("SC_CLK_TCK")
+        return Counter({"user": user / tick, "system": system / tick, "librdkafka_threads": librdkafka / tick})
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         if self.process.wait(timeout=60) not in (0, 143):
             raise RuntimeError(f"a member exited {self.process.returncode}: {''.join(self.tail)}")
+
+
+def clock_ticks(stat: Path) -> tuple[int, int]:
+    """(user, system) clock ticks from a /proc stat file."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
 
 
 def wait_for(condition, what: str, members: list[Member]) -> None:
@@ -97,12 +114,15 @@ def wait_for(condition, what: str, members: list[Member]) -> None:
         time.sleep(0.05)
 
 
-def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, float, int, int]:
+def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, Counter, int, int]:
     """A group of `processes` ingest processes reading the whole topic: (events/s once the group is formed, the
-    processes' CPU seconds per 100,000 of those events, checkpoints, commit retries)."""
+    processes' CPU seconds per 100,000 of those events (user, system, librdkafka's threads), checkpoints, commit
+    retries)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
     env["PARTFIN_HOME"] = str(home)
     source = f"kafka:{cluster.bootstrap_servers}#{topic},group=bench-{home.name},{GROUP}"
+    if options.properties:
+        source += f",{options.properties}"
     command = [sys.executable, "-m", "partfin_assets.cli", "-v", "ingest", "--table", "orders", "--source", source,
                "--primary-key", "id", "--checkpoint-records", str(options.checkpoint_records), "--follow"]
     launched = time.perf_counter()
@@ -112,13 +132,15 @@ def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tu
              and sum(len(m.assigned) for m in members) == options.partitions, "the group to form", members)
     formed = time.perf_counter()
     committed_before = sum(m.records for m in members)
-    cpu_before = sum(m.cpu_seconds() for m in members)
+    cpu_before = sum((m.cpu_seconds() for m in members), Counter())
     wait_for(lambda: sum(m.records for m in members) >= options.messages, "every event committed", members)
     seconds = time.perf_counter() - formed
     timed_events = options.messages - committed_before
     if timed_events <= 0:  # all committed before the group formed (a tiny topic): the whole run is timed instead
-        seconds, timed_events, cpu_before = time.perf_counter() - launched, options.messages, 0.0
-    cpu_per_100k = (sum(m.cpu_seconds() for m in members) - cpu_before) * 100_000 / timed_events
+        seconds, timed_events, cpu_before = time.perf_counter() - launched, options.messages, Counter()
+    cpu_used = sum((m.cpu_seconds() for m in members), Counter())
+    cpu_used.subtract(cpu_before)
+    cpu_per_100k = Counter({kind: used * 100_000 / timed_events for kind, used in cpu_used.items()})
     for member in members:
         member.stop()
     rows = load_partfin_catalog(home).load_table("cdc.orders").scan(selected_fields=("source_log", "source_seq")).to_arrow()
@@ -136,13 +158,14 @@ def main() -> None:
     parser.add_argument("--note-bytes", type=int, default=0, help="bytes of text in each event's note column (250: ~1 KB events)")
     parser.add_argument("--processes", default="1,2,4", help="process counts to compare, the first is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--properties", default="", help="librdkafka consumer properties for every process: name=value,...")
     options = parse_sizes(parser, smoke=dict(messages=400, partitions=4, checkpoint_records=100, processes="1,2", repeats=1))
     counts = [int(n) for n in options.processes.split(",")]
 
     rates: dict[int, list[float]] = {n: [] for n in counts}
     retries: dict[int, list[float]] = {n: [] for n in counts}
     checkpoints: dict[int, list[int]] = {n: [] for n in counts}
-    cpu: dict[int, list[float]] = {n: [] for n in counts}
+    cpu: dict[int, list[Counter]] = {n: [] for n in counts}
     with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
         cluster.create_topic(TOPIC, options.partitions)
         produce(cluster, events(options.messages, options.note_bytes))
@@ -158,10 +181,12 @@ def main() -> None:
     baseline = counts[0]
     print(json.dumps({
         "messages": options.messages, "partitions": options.partitions, "checkpoint_records": options.checkpoint_records,
-        "repeats": options.repeats, "cpus": os.cpu_count(),
+        "repeats": options.repeats, "cpus": os.cpu_count(), "properties": options.properties,
         "events_per_s": {str(n): round(statistics.median(rates[n])) for n in counts},
         "vs_one_process": {str(n): round(statistics.median(r / b for r, b in zip(rates[n], rates[baseline])), 3) for n in counts},
-        "cpu_seconds_per_100k_events": {str(n): round(statistics.median(cpu[n]), 2) for n in counts},
+        "cpu_seconds_per_100k_events": {str(n): round(statistics.median(c["user"] + c["system"] for c in cpu[n]), 2) for n in counts},
+        "of_which": {str(n): {kind: round(statistics.median(c[kind] for c in cpu[n]), 2) for kind in ("system", "librdkafka_threads")}
+                     for n in counts},
         "checkpoints": {str(n): round(statistics.median(checkpoints[n])) for n in counts},
         "commit_retries_per_checkpoint": {str(n): round(statistics.median(retries[n]), 3) for n in counts},
         "goal": "2 processes >= 1.6x one; 4 no slower than 2",
