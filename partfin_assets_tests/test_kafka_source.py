@@ -26,8 +26,8 @@ from partfin_assets.iceberg.streams import positions_of, set_idle_timeout, strea
 from partfin_assets.iceberg.tables import DELETED
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.tablespec import TableSpec
-from partfin_assets.sources.kafka import fetch_queue_backoff_ms
 from partfin_assets.model.timeutil import parse_iso, to_us
+from partfin_assets.sources.kafka import fetch_queue_backoff_ms
 from partfin_assets_tests import debezium_messages as dbz
 from partfin_assets_tests.kafka_cluster import FAST_GROUP_SETTINGS
 from partfin_assets_tests.test_kafka_cluster import produce, producer_for

@@ -121,6 +121,8 @@ def fetch_queue_backoff_ms(poll_timeout_s: float) -> int:
     it: with librdkafka's 1 s, a consumer that empties a small queue (bounded memory over many partitions) faster
     committed a checkpoint of every partition per fetch. A quarter of poll_timeout leaves room for the round trip."""
     return max(1, min(_LIBRDKAFKA_FETCH_QUEUE_BACKOFF_MS, round(poll_timeout_s * 1000 / 4)))
+
+
 _OPTIONS: dict[str, Callable[[str], Any]] = {}  # filled below (after parse helpers)
 
 
