@@ -3,11 +3,16 @@
     .venv/bin/python bench/bench_kafka_scale_out.py [--messages 600000] [--partitions 96] [--checkpoint-records 10000]
                                                    [--note-bytes 0] [--processes 1,2,4] [--repeats 2]
                                                    [--properties queued.max.messages.kbytes=4096,...]
+                                                   [--initial-rebalance-delay-ms 3000]
 
 Setup (untimed): librdkafka's mock cluster (3 brokers on 127.0.0.1, the test fixture's helper process) and one
 topic of --partitions partitions holding --messages Debezium update events (~500 bytes; --note-bytes 250 makes
 them ~1 KB), produced before any reader starts: the backlog a group is scaled out for, read in full by every run.
 Each run: N `partfin -v ingest --follow` processes in a consumer group of their own, into a fresh PARTFIN_HOME.
+As a Kafka broker does (group.initial.rebalance.delay.ms, 3 s by default), the mock's coordinator waits
+--initial-rebalance-delay-ms for the members of a new group before its first assignment, so they start together:
+with no wait, the first member read every partition alone until the others joined, finished its share ahead of
+them, and the group ended with fewer processes than it has (a core idle at two).
 Timed: from the moment the group is formed (every process reports its share of the partitions) until the
 processes' progress lines report every event committed; what was committed before is left out of the rate. So
 the figure is a running group's throughput (decoding, writing and committing in each process), without Python's
@@ -17,8 +22,10 @@ the table is checked to hold every event once. --repeats passes, each running ev
 Reported: events/s per process count (median), the median per-pass ratio to one process, the CPU seconds the
 processes used in the timed part per 100,000 events (what more processes cost on the same cores) and of them the
 kernel's (system time) and librdkafka's threads', the checkpoints committed and the commit retries per checkpoint
-(commits that lost a race to another process's commit, from the progress lines). --properties adds librdkafka consumer properties to every process's source spec (a smaller fetch
-queue, a fetch setting) to see what they change.
+(commits that lost a race to another process's commit, from the progress lines) and how much later the last
+member's final commit came than the first member's (the cores a group leaves idle at its end). --properties adds
+librdkafka consumer properties to every process's source spec (a smaller fetch queue, a fetch setting) to see what
+they change.
 
 The mock keeps at most 5 MB of record batches per partition: the bench stops if a partition no longer starts at
 offset 0 (use more --partitions).
@@ -38,6 +45,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +68,7 @@ class Member:
     def __init__(self, command: list[str], env: dict) -> None:
         self.process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.records = self.checkpoints = self.retries = 0
+        self.last_commit_at = 0.0
         self.assigned: list[int] | None = None
         self.tail: list[str] = []
         self.changed = threading.Condition()
@@ -74,6 +83,7 @@ class Member:
                     self.records = int(found.group(1).replace(",", ""))
                     self.retries = int(found.group(2) or 0)  # cumulative
                     self.checkpoints += 1
+                    self.last_commit_at = time.perf_counter()
                 assigned = ASSIGNED.search(line)
                 if assigned:
                     self.assigned = json.loads(assigned.group(1))
@@ -114,10 +124,17 @@ def wait_for(condition, what: str, members: list[Member]) -> None:
         time.sleep(0.05)
 
 
-def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tuple[float, Counter, int, int]:
-    """A group of `processes` ingest processes reading the whole topic: (events/s once the group is formed, the
-    processes' CPU seconds per 100,000 of those events (user, system, librdkafka's threads), checkpoints, commit
-    retries)."""
+@dataclass
+class Run:
+    events_per_s: float  # once the group is formed
+    cpu_per_100k: Counter  # the processes' CPU seconds per 100,000 of those events: user, system, librdkafka's threads
+    checkpoints: int
+    retries: int
+    last_behind_first_s: float  # how much later the last member's final commit came than the first member's
+
+
+def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> Run:
+    """A group of `processes` ingest processes reading the whole topic."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
     env["PARTFIN_HOME"] = str(home)
     source = f"kafka:{cluster.bootstrap_servers}#{topic},group=bench-{home.name},{GROUP}"
@@ -135,6 +152,7 @@ def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tu
     cpu_before = sum((m.cpu_seconds() for m in members), Counter())
     wait_for(lambda: sum(m.records for m in members) >= options.messages, "every event committed", members)
     seconds = time.perf_counter() - formed
+    last_behind_first_s = max(m.last_commit_at for m in members) - min(m.last_commit_at for m in members)
     timed_events = options.messages - committed_before
     if timed_events <= 0:  # all committed before the group formed (a tiny topic): the whole run is timed instead
         seconds, timed_events, cpu_before = time.perf_counter() - launched, options.messages, Counter()
@@ -147,7 +165,8 @@ def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> tu
     once = len(set(zip(rows.column("source_log").to_pylist(), rows.column("source_seq").to_pylist())))
     if rows.num_rows != options.messages or once != options.messages:
         raise RuntimeError(f"{processes} processes: {rows.num_rows} records at {once} positions, not {options.messages} once each")
-    return timed_events / seconds, cpu_per_100k, sum(m.checkpoints for m in members), sum(m.retries for m in members)
+    return Run(timed_events / seconds, cpu_per_100k, sum(m.checkpoints for m in members), sum(m.retries for m in members),
+               last_behind_first_s)
 
 
 def main() -> None:
@@ -159,36 +178,37 @@ def main() -> None:
     parser.add_argument("--processes", default="1,2,4", help="process counts to compare, the first is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--properties", default="", help="librdkafka consumer properties for every process: name=value,...")
+    parser.add_argument("--initial-rebalance-delay-ms", type=int, default=3000, help="how long a new group waits for its members")
     options = parse_sizes(parser, smoke=dict(messages=400, partitions=4, checkpoint_records=100, processes="1,2", repeats=1))
     counts = [int(n) for n in options.processes.split(",")]
 
-    rates: dict[int, list[float]] = {n: [] for n in counts}
-    retries: dict[int, list[float]] = {n: [] for n in counts}
-    checkpoints: dict[int, list[int]] = {n: [] for n in counts}
-    cpu: dict[int, list[Counter]] = {n: [] for n in counts}
-    with mock_kafka_cluster(brokers=3) as cluster, tempfile.TemporaryDirectory() as tmp:
+    runs: dict[int, list[Run]] = {n: [] for n in counts}
+    with mock_kafka_cluster(brokers=3, initial_rebalance_delay_ms=options.initial_rebalance_delay_ms) as cluster, \
+            tempfile.TemporaryDirectory() as tmp:
         cluster.create_topic(TOPIC, options.partitions)
         produce(cluster, events(options.messages, options.note_bytes))
         check_retention(cluster, options.partitions)
         for repeat in range(options.repeats):
             for n in counts[repeat % len(counts):] + counts[:repeat % len(counts)]:  # each count first in turn: the order matters
-                rate, cpu_per_100k, committed, lost = read_backlog(cluster, TOPIC, Path(tmp) / f"{n}-{repeat}", n, options)
-                rates[n].append(rate)
-                cpu[n].append(cpu_per_100k)
-                checkpoints[n].append(committed)
-                retries[n].append(lost / max(committed, 1))
+                runs[n].append(read_backlog(cluster, TOPIC, Path(tmp) / f"{n}-{repeat}", n, options))
+
+    def median(n: int, figure) -> float:
+        return statistics.median(figure(run) for run in runs[n])
 
     baseline = counts[0]
     print(json.dumps({
         "messages": options.messages, "partitions": options.partitions, "checkpoint_records": options.checkpoint_records,
         "repeats": options.repeats, "cpus": os.cpu_count(), "properties": options.properties,
-        "events_per_s": {str(n): round(statistics.median(rates[n])) for n in counts},
-        "vs_one_process": {str(n): round(statistics.median(r / b for r, b in zip(rates[n], rates[baseline])), 3) for n in counts},
-        "cpu_seconds_per_100k_events": {str(n): round(statistics.median(c["user"] + c["system"] for c in cpu[n]), 2) for n in counts},
-        "of_which": {str(n): {kind: round(statistics.median(c[kind] for c in cpu[n]), 2) for kind in ("system", "librdkafka_threads")}
+        "events_per_s": {str(n): round(median(n, lambda run: run.events_per_s)) for n in counts},
+        "vs_one_process": {str(n): round(statistics.median(run.events_per_s / base.events_per_s
+                                                           for run, base in zip(runs[n], runs[baseline])), 3) for n in counts},
+        "cpu_seconds_per_100k_events": {str(n): round(median(n, lambda run: run.cpu_per_100k["user"] + run.cpu_per_100k["system"]), 2)
+                                        for n in counts},
+        "of_which": {str(n): {kind: round(median(n, lambda run: run.cpu_per_100k[kind]), 2) for kind in ("system", "librdkafka_threads")}
                      for n in counts},
-        "checkpoints": {str(n): round(statistics.median(checkpoints[n])) for n in counts},
-        "commit_retries_per_checkpoint": {str(n): round(statistics.median(retries[n]), 3) for n in counts},
+        "checkpoints": {str(n): round(median(n, lambda run: run.checkpoints)) for n in counts},
+        "commit_retries_per_checkpoint": {str(n): round(median(n, lambda run: run.retries / max(run.checkpoints, 1)), 3) for n in counts},
+        "last_member_behind_first_s": {str(n): round(median(n, lambda run: run.last_behind_first_s), 2) for n in counts},
         "goal": "2 processes >= 1.6x one; 4 no slower than 2",
     }, indent=2))
 
