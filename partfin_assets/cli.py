@@ -29,7 +29,7 @@ from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.session import IngestSession, check_declaration, resolve_spec
-from partfin_assets.ingest.writer import CheckpointResult
+from partfin_assets.ingest.writer import DEFAULT_COMMIT_INTERVAL_S, CheckpointResult
 from partfin_assets.jobs import compaction
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.jobs.conflicts import CommitConflictError
@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ingest.add_argument("--primary-key", help="primary-key column(s), comma separated (debezium, kafka)")
     ingest.add_argument("--checkpoint-records", type=_option(_at_least_one), default=10_000, help="records per checkpoint (default 10000)")
+    ingest.add_argument("--commit-interval", type=_option(_seconds), default=DEFAULT_COMMIT_INTERVAL_S,
+                        help="how long the checkpoints of a partitioned source's partitions (Kafka) may wait to land in one "
+                        f"commit, e.g. 5s (default {DEFAULT_COMMIT_INTERVAL_S:g}s; 0: a commit per checkpoint)")
     ingest.add_argument("--subtasks", type=_option(_at_least_one), default=1, help="parallel writer subtasks (default 1)")
     ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
     ingest.add_argument("--max-checkpoints", type=_option(_at_least_one), help="stop after this many checkpoints")
@@ -234,6 +237,10 @@ def _option(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def _seconds(text: str) -> float:
+    return parse_duration(text).total_seconds()
+
+
 def _at_least_one(text: str) -> int:
     try:
         number = int(text)
@@ -272,7 +279,8 @@ def _ingest(args: argparse.Namespace) -> int:
     progress = _Progress(spec.cdc_identifier)
     try:
         with IngestSession(catalog, spec, source, writer_id=args.writer_id, subtasks=args.subtasks) as session:
-            for result in session.run(max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints):
+            for result in session.run(max_records=args.checkpoint_records, max_checkpoints=args.max_checkpoints,
+                                      commit_interval_s=args.commit_interval):
                 progress.update(result)
     finally:
         progress.close()
@@ -284,7 +292,7 @@ class _Progress:
 
     def __init__(self, table: str) -> None:
         self.table = table
-        self.checkpoints = self.records = self.late = self.rejected = self.retries = 0
+        self.checkpoints = self.commits = self.records = self.late = self.rejected = self.retries = 0
         self.live = None
         if sys.stderr.isatty():
             self.live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
@@ -294,7 +302,9 @@ class _Progress:
         self.checkpoints += 1
         self.records += result.records
         self.rejected += result.rejected
-        self.retries += result.attempts - 1
+        if result.first_of_commit:
+            self.commits += 1
+            self.retries += result.attempts - 1
         self.late += int(result.summary.get(K.LATE_RECORDS, 0))
         watermark = result.summary.get(K.WATERMARK, "-")
         line = (
@@ -302,6 +312,8 @@ class _Progress:
         )
         if K.STREAM in result.summary:  # checkpoint ids count per partition
             line += f"  partition {result.summary[K.STREAM]}"
+        if self.commits < self.checkpoints:  # several partitions' checkpoints landed in one commit
+            line += f"  commits {self.commits:,}"
         if self.retries:  # commits that lost a race to other processes' commits and were retried
             line += f"  commit retries {self.retries}"
         if self.live is not None:

@@ -299,6 +299,34 @@ def test_a_topic_of_many_partitions_keeps_a_bounded_number_of_snapshots(tmp_path
     assert len(table.metadata.snapshots) <= bound, len(table.metadata.snapshots)
 
 
+def test_the_checkpoints_of_many_partitions_land_together_one_snapshot_each(tmp_path, kafka_cluster):
+    """A consumer reading many partitions used to make one Iceberg commit per partition's checkpoint: each costs about
+    what writing a few thousand records costs, and the members of a group committing at once lost races to each
+    other (the scale-out benchmark: a third of the run with a core idle). The checkpoints of different partitions
+    that are ready within the commit interval now land in one commit, one snapshot each, so every checkpoint keeps
+    its own position, statistics and watermark; with --commit-interval 0 each commits alone, as before."""
+    partitions, per_partition = 16, 24
+    kafka_cluster.create_topic(TOPIC, partitions)
+    for partition in range(partitions):
+        produce_to(kafka_cluster, partition, per_minute([partition * 10 + i for i in range(3)], 0, per_partition))
+    for interval in ("1", "0"):
+        home = tmp_path / f"interval-{interval}"
+        lines = run_ingest(home, kafka_spec(kafka_cluster), "--commit-interval", interval).strip().splitlines()
+        table = load_partfin_catalog(home).load_table("cdc.orders")
+        assert recorded_partitions(table) == {str(p): per_partition for p in range(partitions)}
+        assert cdc_rows(home).num_rows == partitions * per_partition
+        assert len(lines) == partitions  # a progress line per checkpoint: one per partition, at its end
+        checkpoints = [s for s in table.metadata.snapshots if s.summary.get(K.STREAM)]
+        assert sorted(s.summary[K.STREAM] for s in checkpoints) == sorted(f"orders-writer/{TOPIC}-{p}" for p in range(partitions))
+        assert all(int(s.summary[K.EVENT_TIME_COUNT]) == per_partition for s in checkpoints)  # each its own statistics
+        commits = {s.summary[K.COMMIT_ID] for s in checkpoints}
+        if interval == "0":
+            assert len(commits) == partitions and "commits" not in lines[-1]
+        else:
+            assert len(commits) <= partitions // 4, lines
+            assert f"  commits {len(commits)}" in lines[-1]
+
+
 def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pyiceberg.catalog import Catalog
 
 from partfin_assets.iceberg.commit import set_table_properties
-from partfin_assets.ingest.writer import CdcWriter, CheckpointResult, PreparedCheckpoint
+from partfin_assets.ingest.writer import DEFAULT_COMMIT_INTERVAL_S, CdcWriter, CheckpointResult, PreparedCheckpoint
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import CdcSource, DiscoversColumns, HoldsConnections
 from partfin_assets.model.tablespec import TableSpec
@@ -79,8 +79,10 @@ class IngestSession:
         """The declaration in force (its watermark policy: the table's)."""
         return self.writer.spec
 
-    def run(self, *, max_records: int, max_checkpoints: int | None = None) -> Iterator[CheckpointResult]:
-        return self.writer.run(self.source, max_records=max_records, max_checkpoints=max_checkpoints)
+    def run(self, *, max_records: int, max_checkpoints: int | None = None,
+            commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S) -> Iterator[CheckpointResult]:
+        return self.writer.run(self.source, max_records=max_records, max_checkpoints=max_checkpoints,
+                               commit_interval_s=commit_interval_s)
 
     def read_checkpoints(self, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
         """Batches for other processes to write and a committer to commit (the fan-out)."""

@@ -18,11 +18,13 @@ commit its batch; it deletes its files and goes on from the positions the table 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass, replace
 from datetime import datetime
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual, LessThanOrEqual
 from pyiceberg.manifest import DataFile
-from pyiceberg.table import Table
+from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
 
 from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_transaction, snapshot_summary_with_commit_id
@@ -72,6 +74,9 @@ from partfin_assets.watermark.registry import declare_policy, parse_policy, tabl
 
 log = logging.getLogger(__name__)
 
+# How long the checkpoints of a partitioned source's partitions may wait for each other to land in one commit.
+DEFAULT_COMMIT_INTERVAL_S = 1.0
+
 
 @dataclass(frozen=True)
 class CheckpointResult:
@@ -80,7 +85,9 @@ class CheckpointResult:
     records: int
     rejected: int
     summary: dict[str, str]
-    attempts: int = 1  # commit attempts: more than one when other processes' commits came first
+    attempts: int = 1  # attempts of the commit it landed in: more than one when other processes' commits came first
+    # False for the checkpoints after the first of one commit that landed several (run groups partitions' checkpoints)
+    first_of_commit: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,26 @@ class WrittenShare:
 
     data_files: list[DataFile]
     partials: dict[str, Any]
+
+
+@dataclass
+class _StagedCheckpoint:
+    """A checkpoint with its files written and its rejects committed, waiting for its commit (maybe with others')."""
+
+    prepared: PreparedCheckpoint  # its records: only what the commit reads (key, event and arrival times)
+    data_files: list[DataFile]
+    start: CommittedPosition  # its stream's position it goes on from: the commit lands only if the table still holds it
+    checkpoint_id: int
+    accumulated: dict[str, Any]
+    ledger_hours: Future | None
+    rejected: int
+    base_summary: dict[str, str]
+    arrival_max: int | None
+    # what the last commit attempt found or made of it
+    context: CommitContext | None = None
+    source_clock: int | None = None
+    fenced: CommittedPosition | None = None  # its stream's position when another process had moved it
+    erased_meanwhile: bool = False
 
 
 class WriterFenced(PartfinError):
@@ -290,26 +317,28 @@ class CdcWriter:
         A record-less checkpoint commits only its rejects or a due heartbeat. If the commit is fenced
         (WriterFenced) or fails, the shares' files are deleted.
         """
+        staged = self._stage(prepared, written)
+        if staged is None:
+            return CheckpointResult(self.position_of(prepared.stream_id).checkpoint_id + 1, None, 0, 0, {})
+        return self._commit_group([staged])[0]
+
+    def _stage(self, prepared: PreparedCheckpoint, written: Sequence[WrittenShare]) -> _StagedCheckpoint | None:
+        """A written checkpoint made ready to commit (its rejects committed first); None: nothing to commit. If this
+        fails, the shares' files are deleted."""
         data_files = [f for share in written for f in share.data_files]
-        self._commit_stage = "before"
         try:
-            return self._commit_checkpoint(prepared, data_files, written)
-        except BaseException as exc:
-            # Only files no snapshot can name are deleted. Once the commit landed (an interrupt or error in the
-            # post-commit work: ledger, expiry), or while its outcome is unknown (an interrupt inside the commit),
-            # they are kept: orphan removal deletes them if no snapshot names them.
-            unknown = self._commit_stage == "committing" and not isinstance(exc, Exception)
-            if self._commit_stage != "landed" and not unknown:
-                delete_files(self.table.io, [f.file_path for f in data_files])
+            return self._staged(prepared, data_files, written)
+        except BaseException:
+            delete_files(self.table.io, [f.file_path for f in data_files])
             raise
 
-    def _commit_checkpoint(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> CheckpointResult:
+    def _staged(self, prepared: PreparedCheckpoint, data_files: list[DataFile], written: Sequence[WrittenShare]) -> _StagedCheckpoint | None:
         records, stream_id, heartbeat_us = prepared.records, prepared.stream_id, prepared.heartbeat_us
         start = self.position_of(stream_id)
         checkpoint_id = start.checkpoint_id + 1  # counts up per stream
         if records.num_rows == 0 and prepared.rejected.num_rows == 0 and not prepared.erased and not self._heartbeat_due(stream_id, heartbeat_us):
             self._ledger.flush_if_due()  # an idle source: what waits goes to the ledger now
-            return CheckpointResult(checkpoint_id, None, 0, 0, {})
+            return None
 
         faults().crash_point("after-files")
         accumulated = {acc.name: acc.merge([share.partials[acc.name] for share in written]) for acc in self.accumulators}
@@ -333,81 +362,119 @@ class CdcWriter:
             base_summary[K.REJECTED_RECORDS] = str(rejected)
         if prepared.erased:
             base_summary[K.PRIVACY_ERASED_RECORDS] = str(prepared.erased)
-
         arrival_max = None
         if records.num_rows and ARRIVAL_TIME in records.schema.names:
             arrival_max = pc.max(pc.cast(records.column(ARRIVAL_TIME), pa.int64())).as_py()
-        contexts: list[CommitContext] = []
-        source_clocks: list[int | None] = []
-        fenced: list[CommittedPosition] = []
-        erased_meanwhile: list[int] = []
-        position_property = {K.PROP_WRITER_PREFIX + stream_id: CommittedPosition(checkpoint_id, prepared.offset).encode()}
+        kept = [c for c in ("key", "event_time", ARRIVAL_TIME) if c in records.column_names]  # what the commit still reads
+        return _StagedCheckpoint(replace(prepared, records=records.select(kept)), data_files, start, checkpoint_id, accumulated,
+                                 ledger_hours, rejected, base_summary, arrival_max)
 
+    def _stage_in(self, tx: Transaction, table: Table, staged: _StagedCheckpoint, commit_id: str) -> bool:
+        """Stage one checkpoint's snapshot and property updates in `tx` on `table` (the fresh metadata with what `tx`
+        staged before); False when its stream's position moved or a privacy request came after its filter."""
+        prepared, stream_id = staged.prepared, staged.prepared.stream_id
+        committed = stream_position(table.metadata, self.writer_id, stream_id)
+        if committed != staged.start:  # compare-and-set on the committed source position
+            staged.fenced = committed
+            return False
+        if fence_of(table.properties) > prepared.erasures_version and self._erases_some(prepared, table):
+            staged.erased_meanwhile = True  # a privacy request came after the filter
+            return False
+        clock_us = to_us(self.clock())
+        properties = table.properties
+        streams = streams_of(properties)
+        stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
+        # the other writers' checkpoints this commit is the first to find: their silence is measured from
+        # here on this clock, and they check this clock against theirs (iceberg/streams.py, "Clocks")
+        tolerance = future_tolerance_us(properties)
+        sighted = first_sights(streams, self.writer_id, clock_us)
+        clocks = writer_clocks(properties)
+        findings = check_clocks(sighted, clocks, self.writer_id, clock_us, tolerance)
+        trusted_us = trusted_clock_us(findings.apply(clocks), self.writer_id, clock_us)
+        partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
+        changed = {**sighted, **partition_streams}
+        observed = self._source_clock_of(staged.arrival_max, prepared.heartbeat_us, staged.accumulated.get(EventTimeAccumulator.name),
+                                         trusted_us, tolerance)
+        source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
+        staged.source_clock = source_clock
+        ctx = CommitContext(table, self.spec.name, staged.checkpoint_id, prepared.heartbeat_us, staged.accumulated, self.writer_id,
+                            clock_us, stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=staged.arrival_max,
+                            source_clock_us=source_clock, streams={**streams, **changed},
+                            idle_timeout_us=idle_timeout_us(properties), trusted_clock_us=trusted_us)
+        for processor in self.processors:
+            processor.pre_commit(ctx)
+        staged.context = ctx
+        source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
+        summary = snapshot_summary_with_commit_id({**staged.base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)},
+                                                  commit_id, JobKind.INTO)
+        with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
+            for data_file in staged.data_files:
+                append.append_data_file(data_file)
+        stream = stream.checkpointed(ctx.stream_progress_us, clock_us)
+        changed_streams = {k: v for s in changed.values() for k, v in stream_property(s).items()}
+        position_property = {K.PROP_WRITER_PREFIX + stream_id: CommittedPosition(staged.checkpoint_id, prepared.offset).encode()}
+        tx.set_properties({**ctx.properties, **position_property, **changed_streams, **findings.properties(), **stream_property(stream)})
+        if findings.cleared:
+            tx.remove_properties(*findings.removals())
+        return True
+
+    def _commit_group(self, group: list[_StagedCheckpoint]) -> list[CheckpointResult]:
+        """Commit staged checkpoints of distinct streams in one Iceberg commit, one snapshot each, in order: all or none.
+
+        If the commit is fenced (WriterFenced: every checkpoint of the group is void) or fails, their files are deleted.
+        """
+        data_files = [f for staged in group for f in staged.data_files]
+        self._commit_stage = "committing"
+        try:
+            return self._committed_group(group)
+        except BaseException as exc:
+            # Only files no snapshot can name are deleted. Once the commit landed (an interrupt or error in the
+            # post-commit work: ledger, expiry), or while its outcome is unknown (an interrupt inside the commit),
+            # they are kept: orphan removal deletes them if no snapshot names them.
+            unknown = self._commit_stage == "committing" and not isinstance(exc, Exception)
+            if self._commit_stage != "landed" and not unknown:
+                delete_files(self.table.io, [f.file_path for f in data_files])
+            raise
+
+    def _committed_group(self, group: list[_StagedCheckpoint]) -> list[CheckpointResult]:
         def build(table: Table, commit_id: str):
-            committed = stream_position(table.metadata, self.writer_id, stream_id)
-            if committed != start:  # compare-and-set on the committed source position
-                fenced.append(committed)
-                return None
-            if fence_of(table.properties) > prepared.erasures_version and self._erases_some(prepared, table):
-                erased_meanwhile.append(fence_of(table.properties))  # a privacy request came after the filter
-                return None
-            clock_us = to_us(self.clock())
-            properties = table.properties
-            streams = streams_of(properties)
-            stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
-            # the other writers' checkpoints this commit is the first to find: their silence is measured from
-            # here on this clock, and they check this clock against theirs (iceberg/streams.py, "Clocks")
-            tolerance = future_tolerance_us(properties)
-            sighted = first_sights(streams, self.writer_id, clock_us)
-            clocks = writer_clocks(properties)
-            findings = check_clocks(sighted, clocks, self.writer_id, clock_us, tolerance)
-            trusted_us = trusted_clock_us(findings.apply(clocks), self.writer_id, clock_us)
-            partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
-            changed = {**sighted, **partition_streams}
-            observed = self._source_clock_of(arrival_max, heartbeat_us, accumulated.get(EventTimeAccumulator.name), trusted_us, tolerance)
-            source_clock = max((t for t in (self._source_clock(stream_id), observed) if t is not None), default=None)
-            source_clocks.append(source_clock)
-            ctx = CommitContext(table, self.spec.name, checkpoint_id, heartbeat_us, accumulated, self.writer_id, clock_us,
-                                stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=arrival_max,
-                                source_clock_us=source_clock, streams={**streams, **changed},
-                                idle_timeout_us=idle_timeout_us(properties), trusted_clock_us=trusted_us)
-            for processor in self.processors:
-                processor.pre_commit(ctx)
-            contexts.append(ctx)
-            source_summary = {K.SOURCE_CLOCK: iso_z(source_clock)} if source_clock is not None else {}
-            summary = snapshot_summary_with_commit_id({**base_summary, **ctx.summary, **source_summary, K.COMMIT_CLOCK: iso_z(clock_us)}, commit_id, JobKind.INTO)
             tx = new_transaction(table)
-            with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
-                for data_file in data_files:
-                    append.append_data_file(data_file)
-            stream = stream.checkpointed(ctx.stream_progress_us, clock_us)
-            changed_streams = {k: v for s in changed.values() for k, v in stream_property(s).items()}
-            tx.set_properties({**ctx.properties, **position_property, **changed_streams, **findings.properties(), **stream_property(stream)})
-            if findings.cleared:
-                tx.remove_properties(*findings.removals())
+            view = table
+            for staged in group:
+                staged.fenced, staged.erased_meanwhile = None, False
+                if not self._stage_in(tx, view, staged, commit_id):
+                    return None
+                # the next checkpoint sees the fresh metadata with what this one staged, as if it had landed
+                view = Table(table.name(), tx.table_metadata, table.metadata_location, table.io, table.catalog)
             return tx
 
-        self._commit_stage = "committing"
         result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
-        if fenced:
+        fenced = next((staged for staged in group if staged.fenced is not None), None)
+        if fenced is not None:
             self.table = result.table
             self._positions = positions_of(result.table.metadata, self.writer_id)
-            raise WriterFenced(self.spec.cdc_identifier, stream_id, start, fenced[-1])
-        if erased_meanwhile:
+            raise WriterFenced(self.spec.cdc_identifier, fenced.prepared.stream_id, fenced.start, fenced.fenced)
+        erased = next((staged for staged in group if staged.erased_meanwhile), None)
+        if erased is not None:
             self.table = result.table
-            raise ErasedMeanwhile(self.spec.cdc_identifier, start)
+            raise ErasedMeanwhile(self.spec.cdc_identifier, erased.start)
         self._commit_stage = "landed"
         faults().crash_point("after-commit")
         self.table = result.table
-        self._positions[stream_id] = CommittedPosition(checkpoint_id, prepared.offset)
-        self._source_clocks[stream_id] = source_clocks[-1]
-        snapshot = result.snapshot
-        for processor in self.processors:
-            processor.post_commit(contexts[-1], snapshot)
-        committed_summary = summary_of(snapshot)
-        self._record_in_ledger(checkpoint_id, snapshot, contexts[-1].clock_us, records, ledger_hours)
+        snapshots = list(islice(lineage(result.table.metadata, result.snapshot), len(group)))[::-1]  # the group's, oldest first
+        results = []
+        for staged, snapshot in zip(group, snapshots, strict=True):
+            prepared, ctx = staged.prepared, staged.context
+            assert ctx is not None and summary_of(snapshot).get(K.CHECKPOINT_ID) == str(staged.checkpoint_id)
+            self._positions[prepared.stream_id] = CommittedPosition(staged.checkpoint_id, prepared.offset)
+            self._source_clocks[prepared.stream_id] = staged.source_clock
+            for processor in self.processors:
+                processor.post_commit(ctx, snapshot)
+            self._record_in_ledger(staged.checkpoint_id, snapshot, ctx.clock_us, prepared.records, staged.ledger_hours)
+            results.append(CheckpointResult(staged.checkpoint_id, snapshot.snapshot_id, prepared.records.num_rows, staged.rejected,
+                                            summary_of(snapshot), result.attempts, first_of_commit=not results))
         expire_snapshots(result.table, self.retention, self._policy_window(), before_removal=self._ledger.flush_if_expiring)
-        return CheckpointResult(checkpoint_id, snapshot.snapshot_id, records.num_rows, rejected, committed_summary, result.attempts)
+        return results
 
     def _ledger_hours(self, records: pa.Table, event_times: EventTimes | None) -> Future | None:
         """The ledger's figures of the records per hour (digests of event time and lateness), made on the file pool
@@ -543,6 +610,7 @@ class CdcWriter:
         max_records: int = 10_000,
         max_checkpoints: int | None = None,
         on_checkpoint: Callable[[CheckpointResult], None] | None = None,
+        commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S,
     ) -> Iterator[CheckpointResult]:
         """Commit one checkpoint per source batch, resuming after the last committed offset.
 
@@ -552,33 +620,81 @@ class CdcWriter:
         commits one of the batches' streams meanwhile (WriterFenced), the source is read again from
         the positions the table holds.
 
+        The checkpoints of a partitioned source's partitions (Kafka) that come within `commit_interval_s` of
+        each other land in one Iceberg commit, one snapshot each (`_checkpoint_groups`); 0: a commit per checkpoint.
+
         The source must read the history the table recorded (its identity, checked first:
         SourceMismatch names the table's current source); each checkpoint records it again.
         """
         committed = 0
         on_committed = source.on_committed if isinstance(source, AcknowledgesCommits) else None
         self._check_source(source)
+        grouped = commit_interval_s > 0 and isinstance(source, ReadsPartitions)
+
+        def room() -> int:
+            return max_checkpoints - committed if max_checkpoints is not None else 1 << 62
+
         while True:
-            with closing(self._batches(source, max_records)) as batches:
-                for batch in batches:
+            with closing(self._batches(source, max_records)) as batches, \
+                    closing(self._checkpoint_groups(batches, commit_interval_s if grouped else 0.0, room)) as groups:
+                for group in groups:
                     try:
-                        result = self.write_checkpoint(batch)
+                        results = self._commit_group([staged for staged, _ in group])
                     except WriterFenced as fenced:
                         log.warning("%s", fenced)
-                        break  # read again from the position the other process committed
-                    if result.snapshot_id is None:
-                        continue
+                        break  # read again from the positions the other process committed
                     if on_committed is not None:
-                        on_committed(batch.offset)
-                    committed += 1
-                    if on_checkpoint is not None:
-                        on_checkpoint(result)
-                    yield result
-                    if max_checkpoints is not None and committed >= max_checkpoints:
-                        return
+                        for _, offset in group:
+                            on_committed(offset)
+                    for result in results:
+                        committed += 1
+                        if on_checkpoint is not None:
+                            on_checkpoint(result)
+                        yield result
+                        if max_checkpoints is not None and committed >= max_checkpoints:
+                            return
                 else:
                     self._ledger.flush()
                     return  # the source is exhausted
+
+    def _checkpoint_groups(self, batches: Iterator[ChangeBatch], commit_interval_s: float,
+                           room: Callable[[], int]) -> Iterator[list[tuple[_StagedCheckpoint, str]]]:
+        """The batches written and staged as checkpoints, in groups to commit at once (with each its batch's offset).
+
+        One commit for the checkpoints of many partitions instead of one each: on a topic of many partitions, each
+        commit costs about as much CPU as writing a few thousand records, and the processes of a consumer group that
+        commit at once lose races to each other (a retry redoes the commit). A group is handed on once the source has
+        nothing ready (an empty batch: a Kafka source yields one once a poll found nothing), before a batch of a
+        stream already in it (its position follows the group's), once it is `commit_interval_s` old (0: at once),
+        once it fills the `room()` left, and at the source's end; so no checkpoint waits longer than the interval.
+        The caller commits each group before the next batch is staged. A group never handed on is deleted.
+        """
+        group: list[tuple[_StagedCheckpoint, str]] = []
+        started = 0.0
+        try:
+            for batch in batches:
+                prepared = self.prepare(batch)
+                if any(staged.prepared.stream_id == prepared.stream_id for staged, _ in group):
+                    handed, group = group, []
+                    yield handed
+                staged = self._stage(prepared, self.write_shares(prepared))
+                if staged is None:  # nothing to commit now: the source is idle
+                    if group:
+                        handed, group = group, []
+                        yield handed
+                    continue
+                if not group:
+                    started = time.monotonic()
+                group.append((staged, batch.offset))
+                if len(group) >= room() or time.monotonic() - started >= commit_interval_s:
+                    handed, group = group, []
+                    yield handed
+            if group:
+                handed, group = group, []
+                yield handed
+        finally:
+            if group:  # staged, never committed
+                delete_files(self.table.io, [f.file_path for staged, _ in group for f in staged.data_files])
 
     def read_checkpoints(self, source: CdcSource, *, max_records: int, max_checkpoints: int) -> list[PreparedCheckpoint]:
         """Up to `max_checkpoints` batches of the source from this writer's position, prepared for other processes to

@@ -363,6 +363,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
         consumer = self._open()
         self._restart_from(start_offset)
         idle_since = time.monotonic()
+        unsettled = False  # whether a batch went out since the source last waited in vain
         while True:
             self._raise_fatal()
             messages = self._fetch(consumer, min(max_records, _FETCH_MESSAGES))
@@ -371,15 +372,19 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
                 for batch in self._take(message, max_records):
                     yielded = True
                     yield batch
+            settled = False
             if not messages:  # nothing within poll_timeout: what is pending goes now
                 for partition in sorted(self._pending):
                     if self._pending[partition]:
                         yielded = True
                         yield self._flush(partition)
+                settled = yielded or unsettled
+                if settled:  # then an empty batch: the writer commits the checkpoints it holds
+                    yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset())
             if not self.follow and self._assigned is not None and self._at_end >= self._assigned:
                 return  # every assigned partition read to its end: no further fetch waits out poll_timeout
-            if yielded:
-                idle_since = time.monotonic()
+            if yielded or settled:
+                idle_since, unsettled = time.monotonic(), not settled
                 continue
             if self.follow and time.monotonic() - idle_since >= self.spec.idle_batch_every:
                 yield ChangeBatch(CDC_RECORD_SCHEMA.empty_table(), self._offset())
