@@ -21,9 +21,10 @@ the table is checked to hold every event once. --repeats passes, each running ev
 (so the shared machine's load hits them alike), each pass starting with the next count.
 Reported: events/s per process count (median), the median per-pass ratio to one process, the CPU seconds the
 processes used in the timed part per 100,000 events (what more processes cost on the same cores) and of them the
-kernel's (system time) and librdkafka's threads', the checkpoints committed and the commit retries per checkpoint
-(commits that lost a race to another process's commit, from the progress lines) and how much later the last
-member's final commit came than the first member's (the cores a group leaves idle at its end). --properties adds
+kernel's (system time) and librdkafka's threads', the checkpoints committed, the catalog commits they landed in (a
+member commits several partitions' checkpoints at once), the commit retries per checkpoint (commits that lost a race
+to another process's commit, from the progress lines) and how much later the last member's final commit came than
+the first member's (the cores a group leaves idle at its end). --properties adds
 librdkafka consumer properties to every process's source spec (a smaller fetch queue, a fetch setting) to see what
 they change.
 
@@ -57,6 +58,7 @@ from bench_kafka_ingest import TOPIC, check_retention, events, produce  # noqa: 
 from _sizes import parse_sizes  # noqa: E402
 
 PROGRESS = re.compile(r"checkpoint \d+\s+records ([\d,]+).*?(?:commit retries (\d+))?$")
+COMMITS = re.compile(r"  commits ([\d,]+)")  # only when fewer than the checkpoints (several partitions' in one commit)
 ASSIGNED = re.compile(r"assigned partitions (\[[\d, ]*\])")
 WAIT_S = 600  # a run slower than this is a failure, not a figure
 GROUP = "session.timeout.ms=3000,heartbeat.interval.ms=300"  # the mock waits a session less 1 s before each rebalance
@@ -67,7 +69,7 @@ class Member:
 
     def __init__(self, command: list[str], env: dict) -> None:
         self.process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.records = self.checkpoints = self.retries = 0
+        self.records = self.checkpoints = self.commits = self.retries = 0
         self.last_commit_at = 0.0
         self.assigned: list[int] | None = None
         self.tail: list[str] = []
@@ -83,6 +85,8 @@ class Member:
                     self.records = int(found.group(1).replace(",", ""))
                     self.retries = int(found.group(2) or 0)  # cumulative
                     self.checkpoints += 1
+                    commits = COMMITS.search(line)
+                    self.commits = int(commits.group(1).replace(",", "")) if commits else self.checkpoints
                     self.last_commit_at = time.perf_counter()
                 assigned = ASSIGNED.search(line)
                 if assigned:
@@ -129,6 +133,7 @@ class Run:
     events_per_s: float  # once the group is formed
     cpu_per_100k: Counter  # the processes' CPU seconds per 100,000 of those events: user, system, librdkafka's threads
     checkpoints: int
+    commits: int  # catalog commits: one may land several partitions' checkpoints
     retries: int
     last_behind_first_s: float  # how much later the last member's final commit came than the first member's
 
@@ -166,8 +171,8 @@ def read_backlog(cluster, topic: str, home: Path, processes: int, options) -> Ru
     once = len(set(zip(rows.column("source_log").to_pylist(), rows.column("source_seq").to_pylist())))
     if rows.num_rows != options.messages or once != options.messages:
         raise RuntimeError(f"{processes} processes: {rows.num_rows} records at {once} positions, not {options.messages} once each")
-    return Run(timed_events / seconds, cpu_per_100k, sum(m.checkpoints for m in members), sum(m.retries for m in members),
-               last_behind_first_s)
+    return Run(timed_events / seconds, cpu_per_100k, sum(m.checkpoints for m in members), sum(m.commits for m in members),
+               sum(m.retries for m in members), last_behind_first_s)
 
 
 def main() -> None:
@@ -208,6 +213,7 @@ def main() -> None:
         "of_which": {str(n): {kind: round(median(n, lambda run: run.cpu_per_100k[kind]), 2) for kind in ("system", "librdkafka_threads")}
                      for n in counts},
         "checkpoints": {str(n): round(median(n, lambda run: run.checkpoints)) for n in counts},
+        "commits": {str(n): round(median(n, lambda run: run.commits)) for n in counts},
         "commit_retries_per_checkpoint": {str(n): round(median(n, lambda run: run.retries / max(run.checkpoints, 1)), 3) for n in counts},
         "last_member_behind_first_s": {str(n): round(median(n, lambda run: run.last_behind_first_s), 2) for n in counts},
         "goal": "2 processes >= 1.6x one; 4 no slower than 2",
