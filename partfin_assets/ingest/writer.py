@@ -439,13 +439,12 @@ class CdcWriter:
     def _committed_group(self, group: list[_StagedCheckpoint]) -> list[CheckpointResult]:
         def build(table: Table, commit_id: str):
             tx = new_transaction(table)
-            view = table
-            for staged in group:
+            for position, staged in enumerate(group):
+                # a later checkpoint sees the fresh metadata with what the ones before it staged, as if they had landed
+                view = Table(table.name(), tx.table_metadata, table.metadata_location, table.io, table.catalog) if position else table
                 staged.fenced, staged.erased_meanwhile = None, False
                 if not self._stage_in(tx, view, staged, commit_id):
                     return None
-                # the next checkpoint sees the fresh metadata with what this one staged, as if it had landed
-                view = Table(table.name(), tx.table_metadata, table.metadata_location, table.io, table.catalog)
             return tx
 
         result = commit_with_retry(self.catalog, self.spec.cdc_identifier, build)
