@@ -1,6 +1,6 @@
 """Arrow's buffers come from the C library's allocator in every process that imports partfin (package __init__),
 unless the user chose one: mimalloc's huge-page churn cost four Kafka ingest processes on two cores 5.5 % of all CPU
-(docs/benchmarks.md, "Kafka scale-out")."""
+(docs/benchmarks.md, "Arrow's allocator")."""
 
 import os
 import subprocess
