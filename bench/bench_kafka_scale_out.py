@@ -19,14 +19,13 @@ the figure is a running group's throughput (decoding, writing and committing in 
 start or the group's joins, which a long-running group pays once. The processes are then stopped (SIGTERM) and
 the table is checked to hold every event once. --repeats passes, each running every process count back to back
 (so the shared machine's load hits them alike), each pass starting with the next count.
-Reported: events/s per process count (median), the median per-pass ratio to one process and to the count before,
-the CPU seconds the processes used in the timed part per 100,000 events (what more processes cost on the same cores) and of them the
-kernel's (system time) and librdkafka's threads', the checkpoints committed, the catalog commits they landed in (a
-member commits several partitions' checkpoints at once), the commit retries per checkpoint (commits that lost a race
-to another process's commit, from the progress lines) and how much later the last member's final commit came than
-the first member's (the cores a group leaves idle at its end). --properties adds
-librdkafka consumer properties to every process's source spec (a smaller fetch queue, a fetch setting) to see what
-they change.
+Reported: events/s per process count (median), the median per-pass ratio to one process and to the count before, the
+CPU seconds the processes used in the timed part per 100,000 events (what more processes cost on the same cores) and
+of them the kernel's (system time) and librdkafka's threads', the checkpoints committed, the catalog commits they
+landed in (a member commits several partitions' checkpoints at once), the commit retries per checkpoint (commits
+that lost a race to another process's commit, from the progress lines) and how much later the last member's final
+commit came than the first member's (the cores a group leaves idle at its end). --properties adds librdkafka
+consumer properties to every process's source spec (a smaller fetch queue, a fetch setting) to see what they change.
 
 The mock keeps at most 5 MB of record batches per partition: the bench stops if a partition no longer starts at
 offset 0 (use more --partitions).
@@ -201,16 +200,17 @@ def main() -> None:
     def median(n: int, figure) -> float:
         return statistics.median(figure(run) for run in runs[n])
 
+    def per_pass_ratio(n: int, m: int) -> float:
+        """The median over passes of n processes' throughput over m processes' in the same pass."""
+        return round(statistics.median(run.events_per_s / other.events_per_s for run, other in zip(runs[n], runs[m])), 3)
+
     baseline = counts[0]
     print(json.dumps({
         "messages": options.messages, "partitions": options.partitions, "checkpoint_records": options.checkpoint_records,
         "repeats": options.repeats, "cpus": os.cpu_count(), "properties": options.properties,
         "events_per_s": {str(n): round(median(n, lambda run: run.events_per_s)) for n in counts},
-        "vs_one_process": {str(n): round(statistics.median(run.events_per_s / base.events_per_s
-                                                           for run, base in zip(runs[n], runs[baseline])), 3) for n in counts},
-        "vs_previous_count": {f"{n} vs {m}": round(statistics.median(run.events_per_s / fewer.events_per_s
-                                                                   for run, fewer in zip(runs[n], runs[m])), 3)
-                              for m, n in zip(counts, counts[1:])},  # per pass: what the goal compares
+        "vs_one_process": {str(n): per_pass_ratio(n, baseline) for n in counts},
+        "vs_previous_count": {f"{n} vs {m}": per_pass_ratio(n, m) for m, n in zip(counts, counts[1:])},  # what the goal compares
         "cpu_seconds_per_100k_events": {str(n): round(median(n, lambda run: run.cpu_per_100k["user"] + run.cpu_per_100k["system"]), 2)
                                         for n in counts},
         "of_which": {str(n): {kind: round(median(n, lambda run: run.cpu_per_100k[kind]), 2) for kind in ("system", "librdkafka_threads")}
