@@ -162,3 +162,23 @@ def test_the_dagster_report_shows_a_hostile_policy_property_as_text(tmp_path, mo
     rendered = markdown.render(report)
     assert f"<td>watermark policy</td>\n<td>{html.escape(terminal_text(HOSTILE_POLICY), quote=False)}</td>" in rendered
     assert "\x1b" not in report
+
+
+NASTY = ["plain text, as it is", HOSTILE_POLICY, REASON, BY, "a\u202eb\u2028c\x00d\x85e\x7f", "*em* _u_ `code` # h | a | \\ & &amp; <b>",
+         "![i](https://x/t.png) <https://x> [r]: https://x \"t\"", "1. x", "- y", "é 漢字 🙂"]
+
+
+@pytest.mark.parametrize("text", NASTY)
+def test_each_target_shows_the_text_as_written_and_nothing_else(text):
+    from partfin_assets.model.display_text import html_text, markdown_text
+
+    shown = terminal_text(text)
+    assert shown.isprintable() and "\n" not in shown
+    assert all(c in shown for c in text if c.isprintable())  # nothing dropped
+    assert terminal_text("plain, printable: kept as it is é🙂") == "plain, printable: kept as it is é🙂"
+    # markdown: a CommonMark + GFM-table parser that lets raw HTML and any link through reads back the very text
+    markdown = MarkdownIt("commonmark", {"html": True}).enable("table")
+    markdown.validateLink = lambda url: True
+    (cell,) = [t for t in markdown.parse(f"| x |\n|---|\n| {markdown_text(text)} |") if t.type == "inline"][1:]
+    assert [t.type for t in cell.children] == ["text"] and cell.children[0].content == shown
+    assert html_text(text) == html.escape(shown)
