@@ -18,7 +18,6 @@ from typing import NoReturn
 
 from rich.console import Console
 from rich.live import Live
-from rich.text import Text
 
 from partfin_assets.finalization.hours import hour_from_key, hour_key, parse_hour
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
@@ -330,7 +329,8 @@ class _Progress:
         if self.retries:  # commits that lost a race to other processes' commits and were retried
             line += f"  commit retries {self.retries}"
         if self.live is not None:
-            self.live.update(Text(terminal_text(line)))  # a Text: rich reads no markup in it (a writer id `ops[/]team`)
+            # highlighted as rich highlights any text, but no markup or emoji code read in it: a writer id may be `ops[/]team`
+            self.live.update(self.live.console.render_str(terminal_text(line), markup=False, emoji=False))
         else:
             _say(line, file=sys.stderr)
 
@@ -365,7 +365,7 @@ def _base(args: argparse.Namespace) -> int:
 def _retrying(what: str, run):
     def say(exc: CommitConflictError, attempt: int) -> None:
         _say(f"partfin: {what}: conflict on attempt {attempt}, retrying from a fresh snapshot: {first_line(str(exc))}",
-              file=sys.stderr, flush=True)
+             file=sys.stderr)
 
     return retry_on_conflict(run, on_conflict=say)
 
@@ -381,8 +381,8 @@ def _replay(args: argparse.Namespace) -> int:
     except ReplayRefused as exc:
         raise ReplayRefused(f"{first_line(str(exc))}; --force replaces it anyway") from None
     _say(f"cdc.{args.table}: replayed {result.hour} from {result.history}: {result.records} records ({result.added_records} added, "
-          f"{result.removed_records} removed, {result.kept_records} appended meanwhile and kept, {result.late_records} late), "
-          f"snapshot {result.snapshot_id}")
+         f"{result.removed_records} removed, {result.kept_records} appended meanwhile and kept, {result.late_records} late), "
+         f"snapshot {result.snapshot_id}")
     return 0
 
 
@@ -417,8 +417,8 @@ def _privacy_delete(args: argparse.Namespace) -> int:
         catalog, args.table, keys, request_id=args.request_id, erased_before_us=erase_before))
     deleted = ", ".join(f"{n} record(s) from {identifier}" for identifier, n in result.deleted_by_table().items())
     _say(f"privacy delete {args.request_id} ({len(keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
-          f"{deleted or 'nothing held them'}; older snapshots still reference the old files "
-          f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
+         f"{deleted or 'nothing held them'}; older snapshots still reference the old files "
+         f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
     return 0
 
 
@@ -435,7 +435,7 @@ def _maintain(args: argparse.Namespace) -> int:
     for maintained in tables:
         report = remove_orphan_files(catalog, maintained.identifier, older_than_s=age_s, dry_run=args.dry_run)
         _say(f"{maintained.identifier}: {len(report.orphans)} orphan file(s) {'found' if args.dry_run else 'deleted'} "
-              f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {age_s:g} s kept")
+             f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {age_s:g} s kept")
     return 0
 
 
@@ -458,29 +458,29 @@ def _status(args: argparse.Namespace) -> int:
     _say(header)
     for s in statuses:
         _say(
-            f"{s.name:<24} {s.watermark or ('BROKEN' if s.broken else '-'):<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
-            f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
-            f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
-        )
+           f"{s.name:<24} {s.watermark or ('BROKEN' if s.broken else '-'):<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
+           f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
+           f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
+       )
     for s in statuses:
         for ack in s.acknowledged_late_hours or []:
             _say(f"{s.name}: hour {ack['hour']}: {ack['late_records']} late record(s) acknowledged by {ack['by']} at {ack['at']}: "
-                  f"{ack['reason']}")
+                 f"{ack['reason']}")
         if s.late_hours_needing_attention:
             hours = ", ".join(f"{hour} ({n})" for hour, n in s.late_hours_needing_attention.items())
             _say(f"{s.name}: {NEEDS_ATTENTION} in hour(s) {hours}: re-run them downstream, or acknowledge "
-                  "(`partfin late-data ack`)")
+                 "(`partfin late-data ack`)")
     for s in statuses:
         if s.rebucket:
             _say(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
-                  f"`{s.rebucket}`, then compact")
+                 f"`{s.rebucket}`, then compact")
     for s in statuses:
         for clock in s.clocks or []:
             _say(f"{s.name}: {clock['description']}")
         if s.finalized_tags:
             _say(f"{s.name}: {s.finalized_tags} finalized hour(s) tagged, {s.oldest_finalized_tag} .. {s.newest_finalized_tag} "
-                  f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
-                  f"'{s.newest_finalized_tag}' (see docs/consumers.md)")
+                 f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
+                 f"'{s.newest_finalized_tag}' (see docs/consumers.md)")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
         _say(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
@@ -494,7 +494,7 @@ def _late_data(args: argparse.Namespace) -> int:
     acks = acknowledge_late_hours(_existing_catalog(), args.table, None if args.all else args.hours, args.reason, args.by)
     for ack in acks:
         _say(f"cdc.{args.table}: hour {ack.as_dict()['hour']}: {ack.late_records} late record(s) acknowledged by {ack.by} "
-              f"({ack.reason}); late records arriving later raise the WARN again")
+             f"({ack.reason}); late records arriving later raise the WARN again")
     return 0
 
 
@@ -513,7 +513,7 @@ def _streams(args: argparse.Namespace) -> int:
     if args.action == "retire":
         stream = retire_stream(catalog, identifier, args.stream)
         _say(f"{identifier}: stream {stream.stream_id!r} retired; the watermark no longer waits for it "
-              "(from the next checkpoint of any writer); a writer that starts under this id registers it again")
+             "(from the next checkpoint of any writer); a writer that starts under this id registers it again")
         return 0
     if args.action == "idle-timeout":
         if args.timeout is not None:
@@ -528,7 +528,7 @@ def _streams(args: argparse.Namespace) -> int:
     _say(f"{'stream':<28} {'state':<8} {'progress':<22} {'last checkpoint at':<28} {'checkpoint':>10}")
     for row in rows:
         _say(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
-              f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
+             f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
     return 0
 
 

@@ -17,7 +17,6 @@ import os
 import pty
 import re
 import subprocess
-import sys
 
 import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
