@@ -43,6 +43,7 @@ from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.faults import install_faults
+from partfin_assets.model.record_keys import key_from_json
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
@@ -387,15 +388,7 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _privacy_delete(args: argparse.Namespace) -> int:
-    keys = []
-    for text in args.keys:
-        try:
-            key = json.loads(text)
-        except json.JSONDecodeError:
-            key = None
-        if not isinstance(key, dict) or not key:
-            raise InvalidInput(f"--key {text!r} is not a JSON object naming the primary key, e.g. '{{\"id\": 42}}'")
-        keys.append(key)
+    keys = [key_from_json(text, f"--key #{i}") for i, text in enumerate(args.keys, 1)]
     if not args.request_id.strip():
         raise InvalidInput("--request-id must not be blank")
     catalog = _existing_catalog()
