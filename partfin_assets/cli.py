@@ -27,7 +27,7 @@ from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
-from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
+from partfin_assets.iceberg.streams import check_writer_id, idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.session import IngestSession, check_declaration, resolve_spec
 from partfin_assets.ingest.writer import DEFAULT_COMMIT_INTERVAL_S, CheckpointResult
 from partfin_assets.jobs import compaction
@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="how long the checkpoints of a partitioned source's partitions (Kafka) may wait to land in one "
                         f"commit, e.g. 5s (default {DEFAULT_COMMIT_INTERVAL_S:g}s; 0: a commit per checkpoint)")
     ingest.add_argument("--subtasks", type=_option(_at_least_one), default=1, help="parallel writer subtasks (default 1)")
-    ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
+    ingest.add_argument("--writer-id", type=_option(check_writer_id),
+                        help="writer identity (default <table>-writer): letters, digits, '.', '_', '-'; not partfin.*")
     ingest.add_argument("--max-checkpoints", type=_option(_at_least_one), help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
     ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
