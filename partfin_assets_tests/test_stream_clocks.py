@@ -1,8 +1,9 @@
 """Which clock judges a progress stream, and which streams hold the watermark (docs/clocks-and-streams.md).
 
-Two writers on one table, one host's clock ahead (libfaketime on one of two real
-`partfin ingest` processes): the watermark waits for the other, active writer whatever the clocks
-say, and the disagreement is reported (`partfin status`, the `writer_clocks` check).
+Two writers on one table, one host's clock ahead, or stepped back and forward while its writer
+runs (libfaketime on one of two real `partfin ingest` processes): the watermark waits for the
+other, active writer whatever the clocks say, and the disagreement is reported (`partfin status`,
+the `writer_clocks` check).
 
 One-checkpoint `partfin ingest --source kafka:...` runs on a topic with a partition that
 delivers nothing: each run moves the watermark exactly as far as the partitions' progress allows.
@@ -11,14 +12,16 @@ delivers nothing: each run moves the watermark exactly as far as the partitions'
 from __future__ import annotations
 
 import dataclasses
+import signal
+import subprocess
 import time
 from datetime import timedelta
 
 import pytest
 
-from partfin_assets_tests.cdc_files import partfin
+from partfin_assets_tests.cdc_files import HOUR_MS, orders_lines, partfin, partfin_command, partfin_env, stream_of, write_lines
 from partfin_assets_tests.postgres_cluster import libfaketime
-from partfin_assets_tests.test_progress_streams import _status, a_pauses_while_b_commits
+from partfin_assets_tests.test_progress_streams import T10_MS, T15_MS, _late_of_last_run, _status, a_pauses_while_b_commits
 
 
 def _clock_ahead(offset: str) -> dict[str, str]:
@@ -69,6 +72,75 @@ def test_a_writer_whose_host_clock_is_ahead_never_moves_the_watermark_past_an_ac
     assert not clocks.passed and clocks.severity == AssetCheckSeverity.WARN
     assert "b" in clocks.description and "a" in clocks.description
     assert clocks.metadata["disagreements"].value[0]["writer"] == "b"
+
+
+def _stepped_clock(clock_file) -> dict[str, str]:
+    """The environment of a process whose host clock the test steps by rewriting `clock_file` (a FAKETIME offset,
+    re-read at every clock call). Every clock of the process steps, its monotonic clock too: harsher than a real
+    host, whose kernel steps the wall clock only (and libfaketime 0.9.10 fails a sleep on an unfaked monotonic
+    clock once its offset is not 0)."""
+    library = libfaketime()
+    if library is None:
+        pytest.skip("libfaketime not found: install Debian's faketime package (.ci/run does)")
+    clock_file.write_text("+0\n")
+    return {"LD_PRELOAD": str(library), "FAKETIME_TIMESTAMP_FILE": str(clock_file), "FAKETIME_NO_CACHE": "1"}
+
+
+@pytest.mark.timeout(600)
+def test_a_clock_step_on_one_writers_host_never_moves_the_watermark_past_another_active_writer(tmp_path):
+    """Writer `b` (a true clock) commits 10:00-10:30 in short runs; writer `a` follows a file, one checkpoint per
+    appended chunk, on a host whose clock the test steps 2 h back, then 2 h forward, between a's checkpoints. `b`
+    committed seconds before each of them (real time): it is active, so the watermark must stay at b's 10:00 and
+    none of b's remaining records may be late. Before: `a` measured b's silence from its first sight of b's
+    checkpoint, taken while its clock was 2 h back, to its next commit after the step forward -- 2 h on its wall
+    clock -- called b idle and moved the watermark to a's 15:00."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets.iceberg.streams import positions_of
+
+    home, clock_file = tmp_path / "home", tmp_path / "a-clock"
+    file_a, file_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    seen: set[int] = set()
+    lines_a = orders_lines(*stream_of(T15_MS, T15_MS + HOUR_MS, 750, seed=1), seed=1, seen=seen)
+    write_lines(file_b, orders_lines(*stream_of(T10_MS, T10_MS + 3 * HOUR_MS, 3_000, seed=2), seed=2, seen=seen))
+    file_a.write_text("")
+    common = ["ingest", "--table", "orders", "--primary-key", "id", "--checkpoint-records", "250"]
+    ingest_b = [*common, "--source", f"debezium:{file_b}", "--writer-id", "b"]
+
+    def run_b(*extra: str) -> subprocess.CompletedProcess:
+        run = partfin(home, *ingest_b, *extra)
+        assert run.returncode == 0, run.stderr
+        return run
+
+    def a_checkpoint(chunk: int) -> None:
+        """Append a's next 250 lines in one write and wait until a has committed them."""
+        with file_a.open("a") as out:
+            out.write("".join(line + "\n" for line in lines_a[250 * chunk:250 * (chunk + 1)]))
+        deadline = time.monotonic() + 120
+        while positions_of(load_partfin_catalog(home).load_table("cdc.orders").metadata, "a")["a"].checkpoint_id <= chunk:
+            assert writer_a.poll() is None and time.monotonic() < deadline, writer_a.communicate()
+            time.sleep(0.2)
+
+    run_b("--max-checkpoints", "2")  # b: 10:00 to about 10:30
+    writer_a = subprocess.Popen(partfin_command(*common, "--source", f"debezium:{file_a}", "--writer-id", "a", "--follow"),
+                                env=partfin_env(home, **_stepped_clock(clock_file)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        a_checkpoint(0)  # a's true clock: it finds b's checkpoint
+        clock_file.write_text("-2h\n")  # a's host clock steps back 2 h
+        run_b("--max-checkpoints", "1")  # b commits, seconds before a
+        a_checkpoint(1)  # a finds b's new checkpoint at its clock 2 h back
+        clock_file.write_text("+0\n")  # and steps forward 2 h again
+        a_checkpoint(2)  # seconds after b's checkpoint in real time
+        watermark_after_step = _status(home)["watermark"]
+    finally:
+        writer_a.send_signal(signal.SIGINT)
+        _, err_a = writer_a.communicate(timeout=120)
+    assert writer_a.returncode == 130, err_a
+    late_of_b = _late_of_last_run(run_b().stderr)
+    print(f"a's clock stepped 2 h back and forward: watermark {watermark_after_step} after a's step; "
+          f"b's remaining 2,250 records: {late_of_b:,} late")
+    assert watermark_after_step <= "2026-11-20T10:00:00Z"
+    assert late_of_b == 0
 
 
 def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
