@@ -143,6 +143,115 @@ def test_a_clock_step_on_one_writers_host_never_moves_the_watermark_past_another
     assert late_of_b == 0
 
 
+@pytest.mark.timeout(600)
+def test_a_writer_run_after_its_host_clock_stepped_forward_never_moves_the_watermark_past_another_active_writer(tmp_path):
+    """One-checkpoint runs, as the Dagster sync makes them: `b` (a true clock) commits, `a` commits twice, then its
+    host clock steps 2 h forward (libfaketime on the wall clock only, as a kernel steps it) and `a` runs once more,
+    seconds after b's checkpoint in real time. The watermark must stay at b's 10:00, none of b's remaining records
+    late. Before: a's new process measured b's silence on its wall clock from a first sight taken before the step."""
+    library = libfaketime()
+    if library is None:
+        pytest.skip("libfaketime not found: install Debian's faketime package (.ci/run does)")
+    home, file_a, file_b = tmp_path / "home", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    seen: set[int] = set()
+    write_lines(file_a, orders_lines(*stream_of(T15_MS, T15_MS + HOUR_MS, 750, seed=1), seed=1, seen=seen))
+    write_lines(file_b, orders_lines(*stream_of(T10_MS, T10_MS + 3 * HOUR_MS, 3_000, seed=2), seed=2, seen=seen))
+    common = ["ingest", "--table", "orders", "--primary-key", "id", "--checkpoint-records", "250"]
+
+    def run(writer: str, source, *extra: str, **env: str) -> subprocess.CompletedProcess:
+        result = partfin(home, *common, "--source", f"debezium:{source}", "--writer-id", writer, *extra, **env)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    run("b", file_b, "--max-checkpoints", "2")
+    run("a", file_a, "--max-checkpoints", "1")
+    run("b", file_b, "--max-checkpoints", "1")
+    run("a", file_a, "--max-checkpoints", "1")  # finds b's checkpoint
+    run("a", file_a, "--max-checkpoints", "1", LD_PRELOAD=str(library), FAKETIME="+2h", FAKETIME_DONT_FAKE_MONOTONIC="1")
+    watermark_after_step = _status(home)["watermark"]
+    late_of_b = _late_of_last_run(run("b", file_b).stderr)
+    print(f"a's next run 2 h ahead: watermark {watermark_after_step}; b's remaining 2,250 records: {late_of_b:,} late")
+    assert watermark_after_step <= "2026-11-20T10:00:00Z"
+    assert late_of_b == 0
+
+
+def test_the_stream_clock_runs_on_the_monotonic_clock_from_where_the_writer_left_it_and_never_goes_back():
+    """The rule that measures silence (iceberg/streams.py, StreamClock), with explicit clocks: a step of the wall
+    clock during a run, back or forward, does not move it; a later run on the same boot resumes on the monotonic
+    clock; a run that cannot (another boot) starts from its wall clock, but never before what the writer recorded;
+    a monotonic clock far ahead on the same boot (libfaketime's) never takes it beyond the wall clock."""
+    from partfin_assets.iceberg.streams import SteadyReading, Stream, StreamClock
+    from partfin_assets_tests.conftest import HOUR_US, T0_US
+
+    second, true = 1_000_000, T0_US + 30 * HOUR_US
+    wall, monotonic = [true], [1_000 * 1_000_000]
+
+    def stream_clock(boot: str = "boot-1", ahead_s: int = 0) -> StreamClock:
+        return StreamClock("a", lambda: wall[0], lambda: SteadyReading(boot, monotonic[0] + ahead_s * second))
+
+    run = stream_clock()
+    assert run.read({}).us == true
+    wall[0], monotonic[0] = wall[0] - 2 * HOUR_US + 5 * second, monotonic[0] + 5 * second  # a step back, 5 s later
+    assert run.read({}).us == true + 5 * second
+    wall[0], monotonic[0] = wall[0] + 4 * HOUR_US + 5 * second, monotonic[0] + 5 * second  # 4 h forward: 2 h ahead
+    reading = run.read({})
+    assert reading.us == true + 10 * second
+
+    # the writer's checkpoint records that reading; its next run, a minute later on the same boot, resumes from it
+    recorded = {"a": Stream("a", "a", None, wall[0], since={"a": reading.us}, steady=reading.steady)}
+    wall[0], monotonic[0] = wall[0] + 60 * second, monotonic[0] + 60 * second
+    assert stream_clock().read(recorded).us == true + 70 * second
+    # another boot: the wall clock, here stepped 2 h back, but never before what the writer recorded
+    wall[0] -= 4 * HOUR_US
+    assert stream_clock("boot-2").read(recorded).us == true + 10 * second
+    # a monotonic clock a day ahead on the same boot (libfaketime's): no further than the wall clock
+    wall[0] = true + 80 * second
+    assert stream_clock(ahead_s=86_400).read(recorded).us == true + 80 * second
+
+
+def test_a_step_of_a_writers_host_clock_during_or_between_its_runs_never_makes_an_active_writer_idle(catalog):
+    """In process, with explicit clocks: `b` commits, then `a` commits a checkpoint a minute, each on a host clock
+    stepped 2 h back (it finds b's checkpoint then), to the true time, 2 h ahead during one run, and still ahead in
+    its next run (same boot). `b` has been silent for 4 minutes at most: active, the watermark stays at its 10:00. Once `b` has really committed nothing for 16 minutes (the idle timeout
+    is 15), a's next checkpoint moves the watermark to a's 15:00, whatever a's wall clock says."""
+    from partfin_assets.iceberg.streams import SteadyReading
+    from partfin_assets.ingest.writer import CdcWriter
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets.model.timeutil import from_us, iso_z
+    from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
+
+    true = [T0_US + 30 * HOUR_US]  # the true time: b's clock, and the hosts' monotonic clocks
+    step = [0]  # a's host clock less the true time
+
+    def hour(h: int, n: int = 60):
+        return [T0_US + h * HOUR_US + i * MINUTE_US for i in range(n)]
+
+    def a_run() -> CdcWriter:
+        return CdcWriter(catalog, ORDERS, writer_id="a", clock=lambda: from_us(true[0] + step[0]),
+                         steady_clock=lambda: SteadyReading("host-a", true[0]))
+
+    b = CdcWriter(catalog, ORDERS, writer_id="b", clock=lambda: from_us(true[0]), steady_clock=lambda: SteadyReading("host-b", true[0]))
+    b.write_checkpoint(change_batch(hour(10), offset="b0"))
+    a = a_run()
+    a.write_checkpoint(change_batch(hour(15), offset="a0", seq_start=1000))  # a finds b's checkpoint
+    true[0] += MINUTE_US
+    b.write_checkpoint(change_batch(hour(10), offset="b1", seq_start=100))  # b commits again, and then nothing
+    watermarks = []
+    for i, a_host_clock in enumerate((-2 * HOUR_US, 0, 2 * HOUR_US, 2 * HOUR_US)):
+        true[0] += MINUTE_US
+        step[0] = a_host_clock  # a's host clock steps
+        if i == 3:
+            a = a_run()  # a's next run, its host clock still 2 h ahead
+        watermarks.append(a.write_checkpoint(change_batch(hour(15), offset=f"a{i + 1}", seq_start=1000 * (i + 2))).summary[K.WATERMARK])
+    print(f"a's host clock -2h, 0, +2h, +2h (next run): watermarks {watermarks}")
+    assert watermarks == [iso_z(T0_US + 10 * HOUR_US)] * 4
+
+    true[0] += 16 * MINUTE_US  # b has committed nothing for 16 minutes: idle
+    step[0] = -2 * HOUR_US
+    result = a.write_checkpoint(change_batch(hour(15), offset="a5", seq_start=10_000))
+    assert result.summary[K.WATERMARK] == iso_z(T0_US + 15 * HOUR_US)
+
+
 def test_the_clock_cap_uses_the_slower_clock_once_two_writers_disagree(catalog):
     """In process, with explicit clocks: `b` runs 2 h ahead and its source with it (event times up to its own
     'now'). Once `a` has committed after `b` and found b's clock ahead, b's commits cap event time at b's clock
