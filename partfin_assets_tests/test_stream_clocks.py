@@ -131,16 +131,20 @@ def test_a_clock_step_on_one_writers_host_never_moves_the_watermark_past_another
         a_checkpoint(1)  # a finds b's new checkpoint at its clock 2 h back
         clock_file.write_text("+0\n")  # and steps forward 2 h again
         a_checkpoint(2)  # seconds after b's checkpoint in real time
-        watermark_after_step = _status(home)["watermark"]
+        after_step = _status(home)
     finally:
         writer_a.send_signal(signal.SIGINT)
         _, err_a = writer_a.communicate(timeout=120)
     assert writer_a.returncode == 130, err_a
     late_of_b = _late_of_last_run(run_b().stderr)
-    print(f"a's clock stepped 2 h back and forward: watermark {watermark_after_step} after a's step; "
+    print(f"a's clock stepped 2 h back and forward: watermark {after_step['watermark']} after a's step; "
           f"b's remaining 2,250 records: {late_of_b:,} late")
-    assert watermark_after_step <= "2026-11-20T10:00:00Z"
+    assert after_step["watermark"] <= "2026-11-20T10:00:00Z"
     assert late_of_b == 0
+    # what the step did to b: a, 2 h back, found b's clock ahead (b's event times capped meanwhile, which finalizes
+    # later, never earlier); b's next commit found a's clock right again and cleared it
+    assert [(c["writer"], c["ahead_of"]) for c in after_step["clocks"]] == [("b", "a")]
+    assert _status(home)["clocks"] == []
 
 
 @pytest.mark.timeout(600)

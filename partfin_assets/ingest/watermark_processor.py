@@ -84,9 +84,9 @@ def table_candidate(ctx: CommitContext) -> int | None:
 
     The streams are judged as this commit leaves them (a Kafka writer's own stream, retired by its
     partitions' first checkpoint, does not hold it) and by the committing writer's own clock (their
-    silence, on its stream clock: iceberg/streams.py). None (the watermark stays) while an active stream claims no
-    progress yet: a writer that registered but has not committed stats holds the watermark,
-    whatever the others did.
+    silence, on its stream clock: iceberg/streams.py). None (the watermark stays) while an active
+    stream claims no progress yet: a writer that registered but has not committed stats holds the
+    watermark, whatever the others did.
     """
     properties = ctx.table.metadata.properties
     streams = ctx.streams if ctx.streams is not None else streams_of(properties)

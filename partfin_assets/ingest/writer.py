@@ -389,7 +389,7 @@ class CdcWriter:
         stream_clock = self.stream_clock.read(streams)
         stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
         # the checkpoints this commit is the first of this writer to find: their silence is measured from here on
-        # its stream clock, and the other writers' check this commit's clock against theirs (iceberg/streams.py, "Clocks")
+        # its stream clock, and the other writers' clocks are checked against this commit's (iceberg/streams.py, "Clocks")
         tolerance = future_tolerance_us(properties)
         sighted = first_sights(streams, self.writer_id, stream_clock.us)
         clocks = writer_clocks(properties)
