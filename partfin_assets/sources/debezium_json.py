@@ -18,6 +18,7 @@ than MAX_NESTING_DEPTH is rejected before the parser could exhaust Python's recu
 that is no UTF-8 text (a lone surrogate escape such as `\\ud800`) is rejected before a library
 meets it; and any other exception while decoding one message rejects that message, naming the
 exception (a warning is logged the first time an exception type is met: it may be a partfin bug).
+A UTF-8 byte-order mark before the JSON (a file's first line written by a Windows tool) is ignored.
 
 JSON is parsed without going through float: JSON numbers with a fraction or exponent become
 `Decimal`, so decimals sent as numbers (`decimal.format=NUMERIC`) stay exact.
@@ -78,6 +79,7 @@ _TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 # Python's JSON parser and partfin's own recursive walks give out near 1,000 (RecursionError).
 MAX_NESTING_DEPTH = 64
 OVERSIZED_RAW_BYTES = 65_536  # of a message over the size limit, cdc.<table>__rejected keeps this much, as evidence
+UTF8_BOM = b"\xef\xbb\xbf"  # a byte-order mark: Windows tools write one at the start of a file
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 
@@ -562,6 +564,7 @@ class DebeziumJsonDecoder:
             raise RejectedMessage(f"cannot be decoded: {one_line(exc)}") from None
 
     def _decode(self, raw: bytes) -> DecodedChange | DecodedHeartbeat | None:
+        raw = raw.removeprefix(UTF8_BOM)  # not part of the JSON text (RFC 8259 lets a parser ignore it)
         if not raw.strip():
             return None  # an empty value, or a blank line
         # Every message of a topic repeats the same schema block: once it is known, only the
