@@ -59,6 +59,7 @@ import pyarrow as pa
 from partfin_assets.model.errors import PartfinConfigError, PartfinError, SourceError, one_line
 from partfin_assets.model.records import UTC_US, VALID_OPS, implausible_event_time
 from partfin_assets.model.settings import Settings
+from partfin_assets.model.tablespec import DEFAULT_DECIMAL_ENCODING
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ _INT_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 -
 _NON_FINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _FLOAT32_MAX = 3.4028234663852886e38
 _EXACT = Context(prec=1_000, traps=[Inexact, InvalidOperation])  # rescaling that would round raises
+_DECIMAL_TEXT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # what Java's BigDecimal writes, no NaN/spaces/_
 _TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 # A Debezium envelope is under 10 levels deep (a struct column in the after-image in the payload);
 # Python's JSON parser and partfin's own recursive walks give out near 1,000 (RecursionError).
@@ -195,7 +197,9 @@ def _unscaled(encoded: Any, scale: int) -> Decimal:
     try:
         raw = base64.b64decode(encoded, validate=True)
     except binascii.Error as exc:
-        raise ValueError(f"not base64 text ({exc})") from None
+        raise ValueError(f"{encoded!r} is not base64 ({exc})") from None
+    if not raw:  # Connect writes at least one byte (BigInteger.toByteArray): an empty string is no number, not zero
+        raise ValueError("empty base64 text: no bytes, no number")
     return Decimal(f"{int.from_bytes(raw, 'big', signed=True)}E-{scale}")
 
 
@@ -223,18 +227,33 @@ def _variable_scale_decimal(value: Any) -> str:
     return _decimal_text(_unscaled(value["value"], _integer(value["scale"])), None, None)
 
 
-def _declared_decimal(scale: int, precision: int) -> Normalize:
-    """Schemaless messages: decimal text, a JSON number, or a Connect Decimal's base64 bytes."""
+def _declared_decimal(scale: int, precision: int, encoding: str) -> Normalize:
+    """Schemaless messages: a decimal in the column's declared encoding (model/tablespec.py DECIMAL_ENCODINGS), only.
 
-    def normalize(value: Any) -> str:
+    A string such as "1234" is both valid base64 and decimal text: read any other way than declared, it would be
+    another number, silently. So a value is read in the declared encoding or rejected, never guessed.
+    """
+
+    def base64_bytes(value: Any) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"{'a JSON number (' + _json_text(value) + ')' if _is_number(value) else repr(value)} is not "
+                             "base64 text, the column's declared decimal encoding (a Connect Decimal's bytes); a column "
+                             "sent as numbers (decimal.format=NUMERIC) is declared numeric")
+        return _decimal_text(_unscaled(value, scale), scale, precision)
+
+    def numeric(value: Any) -> str:
         if isinstance(value, str):
-            try:
-                return _decimal_text(Decimal(value), scale, precision)
-            except InvalidOperation:
-                return _decimal_text(_unscaled(value, scale), scale, precision)
+            if not _DECIMAL_TEXT.fullmatch(value):
+                raise ValueError(f"{value!r} is not decimal text, as the column's declared decimal encoding (numeric) "
+                                 "needs; a Connect Decimal's base64 bytes are read in a column declared base64")
+            return _decimal_text(Decimal(value), scale, precision)
         return _decimal_text(_as_decimal(value), scale, precision)
 
-    return normalize
+    return base64_bytes if encoding == "base64" else numeric
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | Decimal) and not isinstance(value, bool)
 
 
 def _date_from_days(value: Any) -> str:
@@ -404,6 +423,7 @@ class Column:
     type: pa.DataType
     normalize: Normalize
     unknown: str | None = None  # the Debezium type partfin does not know (kept as text)
+    connect_decimal: bool = False  # a Connect Decimal column: base64 bytes or a JSON number (decimal.format)
 
 
 def connect_column(field: Mapping[str, Any]) -> Column:
@@ -417,7 +437,7 @@ def connect_column(field: Mapping[str, Any]) -> Column:
         precision = int(precision) if precision is not None else MAX_DECIMAL_PRECISION
         if max(precision, scale) > MAX_DECIMAL_PRECISION:
             return Column(pa.string(), _connect_decimal(scale, None))  # exact text: Iceberg stops at 38 digits
-        return Column(pa.decimal128(max(precision, scale), scale), _connect_decimal(scale, max(precision, scale)))
+        return Column(pa.decimal128(max(precision, scale), scale), _connect_decimal(scale, max(precision, scale)), connect_decimal=True)
     if name in _LOGICAL:
         return Column(*_LOGICAL[name])
     if name is None and connect_type in _PRIMITIVES:
@@ -426,8 +446,8 @@ def connect_column(field: Mapping[str, Any]) -> Column:
     return Column(pa.string(), _as_text, unknown=described)
 
 
-def declared_column(data_type: pa.DataType) -> Normalize:
-    """How a message without a schema block is normalized for a declared column type."""
+def declared_column(data_type: pa.DataType, decimal_encoding: str = DEFAULT_DECIMAL_ENCODING) -> Normalize:
+    """How a message without a schema block is normalized for a declared column type (a decimal: in its encoding)."""
     if pa.types.is_integer(data_type):
         return _ranged_integer(pa.int64() if pa.types.is_int64(data_type) else pa.int32())
     if pa.types.is_floating(data_type):
@@ -445,7 +465,7 @@ def declared_column(data_type: pa.DataType) -> Normalize:
     if pa.types.is_timestamp(data_type):
         return _zoned_declared if data_type.tz else _zoneless_text
     if pa.types.is_decimal(data_type):
-        return _declared_decimal(data_type.scale, data_type.precision)
+        return _declared_decimal(data_type.scale, data_type.precision, decimal_encoding)
     if pa.types.is_struct(data_type):
         return _struct({data_type.field(i).name: declared_column(data_type.field(i).type) for i in range(data_type.num_fields)})
     raise ValueError(f"column type {data_type} has no JSON mapping")
@@ -508,6 +528,7 @@ class DebeziumJsonDecoder:
 
     `primary_key`: the key columns, read from the after-image (the before-image for deletes).
     `declared`: the table's typed columns, if it has a declaration; None while it has none.
+    `decimal_encodings`: how its decimal columns are written without a schema block (TableSpec.decimal_encodings).
     `max_message_bytes`: the size limit (default PARTFIN_MAX_MESSAGE_BYTES). `warn=False`: a decoder
     that only looks ahead (a new table's declaration) leaves the warnings to the one that reads.
     """
@@ -519,6 +540,7 @@ class DebeziumJsonDecoder:
         declared: Mapping[str, pa.DataType] | None = None,
         max_message_bytes: int | None = None,
         *,
+        decimal_encodings: Mapping[str, str] | None = None,
         warn: bool = True,
     ) -> None:
         if not primary_key:
@@ -532,7 +554,13 @@ class DebeziumJsonDecoder:
         self._by_schema: dict[str, _Columns] = {}
         self._by_prefix: dict[bytes, _Columns] = {}  # the raw schema block before ',"payload":'
         self._discovered: dict[str, pa.DataType] = {}
-        self._schemaless = _Columns({name: declared_column(t) for name, t in (self.declared or {}).items()})
+        self.declared_encodings = dict(decimal_encodings or {}) if self.declared else {}
+        # the JSON form of each discovered Connect Decimal's first value: how its schemaless messages will encode it
+        self._discovered_encodings: dict[str, str] = {}
+        self._schemaless = _Columns({
+            name: declared_column(t, self.declared_encodings.get(name, DEFAULT_DECIMAL_ENCODING))
+            for name, t in (self.declared or {}).items()
+        })
         self._warn_enabled = warn
         self._warned: set[str] = set()
         self._unexpected: set[type] = set()  # exception types already logged as a possible partfin bug
@@ -543,6 +571,13 @@ class DebeziumJsonDecoder:
         if self.declared:
             return dict(self.declared)
         return dict(self._discovered) or None
+
+    def decimal_encodings(self) -> dict[str, str]:
+        """The decimal encodings of `column_types()`'s columns that are not the default (a Connect Decimal first seen
+        as a JSON number, decimal.format=NUMERIC, is `numeric`: later messages without a schema block send numbers)."""
+        if self.declared:
+            return dict(self.declared_encodings)
+        return {name: encoding for name, encoding in self._discovered_encodings.items() if encoding != DEFAULT_DECIMAL_ENCODING}
 
     def decode(self, value: bytes | str | None) -> DecodedChange | DecodedHeartbeat | None:
         if value is None:
@@ -634,7 +669,7 @@ class DebeziumJsonDecoder:
                 self._warn(name, f"Debezium type {column.unknown} is unknown to partfin: kept as text")
             if self.declared is None:
                 self._discovered.setdefault(name, column.type)
-                normalizers[name] = column.normalize
+                normalizers[name] = self._first_sight(name, column) if column.connect_decimal else column.normalize
                 continue
             declared = self.declared.get(name)
             if declared is None:
@@ -649,6 +684,16 @@ class DebeziumJsonDecoder:
         present = {f.get("field") for f in fields}
         missing = tuple(name for name in self.declared or {} if name not in present)
         return _Columns(normalizers, missing, "; ".join(conflicts) or None)
+
+    def _first_sight(self, name: str, column: Column) -> Normalize:
+        """A discovered Connect Decimal's normalizer that notes the JSON form of the column's first value."""
+
+        def normalize(value: Any) -> Any:
+            normalized = column.normalize(value)
+            self._discovered_encodings.setdefault(name, "base64" if isinstance(value, str) else "numeric")
+            return normalized
+
+        return normalize
 
     def _change(self, envelope: dict[str, Any], columns: _Columns) -> DecodedChange:
         op = envelope.get("op")

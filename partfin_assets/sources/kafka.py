@@ -318,7 +318,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             "error_cb": self._on_client_error,
             "logger": _ClientLog(self._redact),  # librdkafka's own lines: through logging, not raw onto stderr
         }
-        self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
+        self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None, decimal_encodings=table.decimal_encodings)
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
         self._assigned: set[int] | None = None  # None: no assignment yet
         self._at_end: set[int] = set()
@@ -343,6 +343,9 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
 
     def column_types(self) -> dict[str, pa.DataType] | None:
         return self.decoder.column_types()
+
+    def decimal_encodings(self) -> dict[str, str]:
+        return self.decoder.decimal_encodings()
 
     def _metadata(self):
         if self._consumer is None:
