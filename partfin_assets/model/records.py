@@ -188,7 +188,7 @@ class DiscoversColumns(Protocol):
 
     def decimal_encodings(self) -> dict[str, str]:
         """How those decimal columns are written in JSON without a schema block, where not the default
-        (model/tablespec.py DECIMAL_ENCODINGS): the source saw it in their first values."""
+        (model/tablespec.py DECIMAL_ENCODINGS), as the first change read showed them."""
         ...
 
 

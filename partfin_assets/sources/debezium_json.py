@@ -36,7 +36,11 @@ message's schema types differently is converted when that loses nothing (int32 -
 double, a zoneless timestamp into a timestamptz column as UTC, as older partfin declared it) and
 otherwise rejected naming the column; a declared column the message's schema lacks (dropped at
 the source) is null; a column the declaration lacks stays in the payload (cdc keeps it) and is
-named in one warning. Messages without a schema block are typed by the declaration alone.
+named in one warning. Messages without a schema block are typed by the declaration alone; a
+decimal column's JSON is then read only in the column's declared encoding (`base64` bytes, the
+default, or `numeric`: model/tablespec.py DECIMAL_ENCODINGS), never guessed from how it looks
+("1234" is valid base64 and decimal text), and a table declared from schema blocks records the
+encoding of a Connect Decimal's first value (`decimal_encodings`).
 """
 
 from __future__ import annotations
@@ -501,6 +505,7 @@ class _Columns:
     normalizers: dict[str, Normalize]
     missing: tuple[str, ...] = ()  # declared columns the message's schema lacks: null
     conflict: str | None = None  # why messages of this schema cannot fit the declaration
+    connect_decimals: tuple[str, ...] = ()  # Connect Decimal columns discovered from this schema (no declaration)
 
     def normalize(self, image: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -554,11 +559,11 @@ class DebeziumJsonDecoder:
         self._by_schema: dict[str, _Columns] = {}
         self._by_prefix: dict[bytes, _Columns] = {}  # the raw schema block before ',"payload":'
         self._discovered: dict[str, pa.DataType] = {}
-        self.declared_encodings = dict(decimal_encodings or {}) if self.declared else {}
-        # the JSON form of each discovered Connect Decimal's first value: how its schemaless messages will encode it
+        self._declared_encodings = dict(decimal_encodings or {}) if self.declared else {}
+        # the JSON form of each discovered Connect Decimal in the first change: how schemaless messages will encode it
         self._discovered_encodings: dict[str, str] = {}
         self._schemaless = _Columns({
-            name: declared_column(t, self.declared_encodings.get(name, DEFAULT_DECIMAL_ENCODING))
+            name: declared_column(t, self._declared_encodings.get(name, DEFAULT_DECIMAL_ENCODING))
             for name, t in (self.declared or {}).items()
         })
         self._warn_enabled = warn
@@ -573,10 +578,10 @@ class DebeziumJsonDecoder:
         return dict(self._discovered) or None
 
     def decimal_encodings(self) -> dict[str, str]:
-        """The decimal encodings of `column_types()`'s columns that are not the default (a Connect Decimal first seen
-        as a JSON number, decimal.format=NUMERIC, is `numeric`: later messages without a schema block send numbers)."""
+        """The decimal encodings of `column_types()`'s columns that are not the default (a Connect Decimal that is a
+        JSON number in the first change decoded, decimal.format=NUMERIC, is `numeric`: schemaless messages send numbers)."""
         if self.declared:
-            return dict(self.declared_encodings)
+            return dict(self._declared_encodings)
         return {name: encoding for name, encoding in self._discovered_encodings.items() if encoding != DEFAULT_DECIMAL_ENCODING}
 
     def decode(self, value: bytes | str | None) -> DecodedChange | DecodedHeartbeat | None:
@@ -659,6 +664,7 @@ class DebeziumJsonDecoder:
 
     def _columns(self, fields: list[dict[str, Any]]) -> _Columns:
         normalizers: dict[str, Normalize] = {}
+        connect_decimals: list[str] = []  # discovered (no declaration yet): their first value says their encoding
         conflicts = []
         for field in fields:
             name = field.get("field")
@@ -669,7 +675,9 @@ class DebeziumJsonDecoder:
                 self._warn(name, f"Debezium type {column.unknown} is unknown to partfin: kept as text")
             if self.declared is None:
                 self._discovered.setdefault(name, column.type)
-                normalizers[name] = self._first_sight(name, column) if column.connect_decimal else column.normalize
+                normalizers[name] = column.normalize
+                if column.connect_decimal:
+                    connect_decimals.append(name)
                 continue
             declared = self.declared.get(name)
             if declared is None:
@@ -683,17 +691,7 @@ class DebeziumJsonDecoder:
             normalizers[name] = _then(column.normalize, convert)
         present = {f.get("field") for f in fields}
         missing = tuple(name for name in self.declared or {} if name not in present)
-        return _Columns(normalizers, missing, "; ".join(conflicts) or None)
-
-    def _first_sight(self, name: str, column: Column) -> Normalize:
-        """A discovered Connect Decimal's normalizer that notes the JSON form of the column's first value."""
-
-        def normalize(value: Any) -> Any:
-            normalized = column.normalize(value)
-            self._discovered_encodings.setdefault(name, "base64" if isinstance(value, str) else "numeric")
-            return normalized
-
-        return normalize
+        return _Columns(normalizers, missing, "; ".join(conflicts) or None, tuple(connect_decimals))
 
     def _change(self, envelope: dict[str, Any], columns: _Columns) -> DecodedChange:
         op = envelope.get("op")
@@ -718,6 +716,9 @@ class DebeziumJsonDecoder:
         missing = [name for name in self.primary_key if normalized.get(name) is None]
         if missing:
             raise RejectedMessage(f"missing key column(s) {', '.join(map(repr, missing))} in {image_name!r}")
+        for name in columns.connect_decimals:  # the first change decoded says the encoding (null: the default)
+            value = image.get(name)
+            self._discovered_encodings.setdefault(name, DEFAULT_DECIMAL_ENCODING if value is None or isinstance(value, str) else "numeric")
         key_values = {name: normalized[name] for name in self.primary_key}
         payload = None if op == "d" else json.dumps(normalized, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         for text in (payload, *key_values.values()):
