@@ -27,7 +27,7 @@ from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
-from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
+from partfin_assets.iceberg.streams import check_writer_id, idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.session import IngestSession, check_declaration, resolve_spec
 from partfin_assets.ingest.writer import DEFAULT_COMMIT_INTERVAL_S, CheckpointResult
 from partfin_assets.jobs import compaction
@@ -41,8 +41,10 @@ from partfin_assets.jobs.replay import ReplayRefused, replay_hour_from_history
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.display_text import terminal_text
 from partfin_assets.model.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.faults import install_faults
+from partfin_assets.model.record_keys import key_from_json
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
@@ -69,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="how long the checkpoints of a partitioned source's partitions (Kafka) may wait to land in one "
                         f"commit, e.g. 5s (default {DEFAULT_COMMIT_INTERVAL_S:g}s; 0: a commit per checkpoint)")
     ingest.add_argument("--subtasks", type=_option(_at_least_one), default=1, help="parallel writer subtasks (default 1)")
-    ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
+    ingest.add_argument("--writer-id", type=_option(check_writer_id),
+                        help="writer identity (default <table>-writer): letters, digits, '.', '_', '-'; not partfin.*")
     ingest.add_argument("--max-checkpoints", type=_option(_at_least_one), help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
     ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
@@ -211,9 +214,10 @@ def _failed(exc: Exception, secrets: Sequence[str | None]) -> int:
     environment = environment_failure(exc.__cause__ if isinstance(exc, PartfinError) else exc)
     if isinstance(exc, PartfinError) or environment is not None:
         code, text = environment if environment is not None else (EXIT_USAGE, str(exc))
-        print(f"partfin: error: {redact(text, *secrets)}", file=sys.stderr)
+        _say(f"partfin: error: {redact(text, *secrets)}", file=sys.stderr)
         return code
-    print(redact("".join(traceback.format_exception(exc)), *secrets), file=sys.stderr, end="")
+    for line in redact("".join(traceback.format_exception(exc)), *secrets).rstrip("\n").split("\n"):
+        _say(line, file=sys.stderr)
     return EXIT_BUG
 
 
@@ -222,7 +226,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("partfin").strip()
-        self.exit(EXIT_USAGE, f"partfin: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, terminal_text(f"partfin: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)") + "\n")
 
 
 def _option(parse: Callable[[str], object]) -> Callable[[str], object]:
@@ -257,15 +261,25 @@ def _someone(text: str) -> str:
     return text.strip()
 
 
+def _say(line: str, *, file=None) -> None:
+    """One line for a person (stdout unless `file`): the outside text in it (reasons, ids, properties, paths) is shown
+    escaped and cannot end the line or act on the terminal (model/display_text.py). `--json` output is JSON's own."""
+    print(terminal_text(line), file=file or sys.stdout, flush=True)
+
+
 class _RedactingFormatter(logging.Formatter):
-    """Log lines (and the tracebacks they carry) with passwords masked."""
+    """Log lines (and the tracebacks they carry) with passwords masked and outside text escaped: a message is one
+    line whatever text it quotes (a reason, a column name, a table property); a traceback keeps its lines."""
 
     def __init__(self, fmt: str, secrets: Sequence[str | None]) -> None:
         super().__init__(fmt)
         self.secrets = secrets
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return terminal_text(redact(super().formatMessage(record), *self.secrets))
+
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record), *self.secrets)
+        return "\n".join(terminal_text(line) for line in redact(super().format(record), *self.secrets).split("\n"))
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -317,9 +331,10 @@ class _Progress:
         if self.retries:  # commits that lost a race to other processes' commits and were retried
             line += f"  commit retries {self.retries}"
         if self.live is not None:
-            self.live.update(line)
+            # highlighted as rich highlights any text, but no markup or emoji code read in it: a writer id may be `ops[/]team`
+            self.live.update(self.live.console.render_str(terminal_text(line), markup=False, emoji=False))
         else:
-            print(line, file=sys.stderr, flush=True)
+            _say(line, file=sys.stderr)
 
     def close(self) -> None:
         if self.live is not None:
@@ -334,14 +349,14 @@ def _existing_catalog():
 def _upsert(args: argparse.Namespace) -> int:
     catalog = _existing_catalog()
     result = retry_on_conflict(lambda: run_upsert(catalog, args.table))  # a lost race re-runs from fresh data
-    print(result.describe())
+    _say(result.describe())
     return 0
 
 
 def _base(args: argparse.Namespace) -> int:
     catalog = _existing_catalog()
     result = retry_on_conflict(lambda: rebucket(catalog, args.table, args.buckets))  # another rebucket won: re-checked on fresh metadata
-    print(result.describe())
+    _say(result.describe())
     return 0
 
 
@@ -351,8 +366,8 @@ def _base(args: argparse.Namespace) -> int:
 
 def _retrying(what: str, run):
     def say(exc: CommitConflictError, attempt: int) -> None:
-        print(f"partfin: {what}: conflict on attempt {attempt}, retrying from a fresh snapshot: {first_line(str(exc))}",
-              file=sys.stderr, flush=True)
+        _say(f"partfin: {what}: conflict on attempt {attempt}, retrying from a fresh snapshot: {first_line(str(exc))}",
+             file=sys.stderr)
 
     return retry_on_conflict(run, on_conflict=say)
 
@@ -367,9 +382,9 @@ def _replay(args: argparse.Namespace) -> int:
             catalog, args.table, hour, job_id=job_id, force=args.force))
     except ReplayRefused as exc:
         raise ReplayRefused(f"{first_line(str(exc))}; --force replaces it anyway") from None
-    print(f"cdc.{args.table}: replayed {result.hour} from {result.history}: {result.records} records ({result.added_records} added, "
-          f"{result.removed_records} removed, {result.kept_records} appended meanwhile and kept, {result.late_records} late), "
-          f"snapshot {result.snapshot_id}")
+    _say(f"cdc.{args.table}: replayed {result.hour} from {result.history}: {result.records} records ({result.added_records} added, "
+         f"{result.removed_records} removed, {result.kept_records} appended meanwhile and kept, {result.late_records} late), "
+         f"snapshot {result.snapshot_id}")
     return 0
 
 
@@ -378,24 +393,16 @@ def _compact(args: argparse.Namespace) -> int:
     load_existing_table(catalog, f"cdc.{args.table}")
     for identifier in (f"cdc.{args.table}", f"base.{args.table}"):  # cdc first, as compact_<table>'s steps
         if load_table_if_exists(catalog, identifier) is None:
-            print(f"{identifier} does not exist yet: nothing to compact")
+            _say(f"{identifier} does not exist yet: nothing to compact")
             continue
         result = _retrying(f"compaction of {identifier}", lambda identifier=identifier: compaction.compact(
             catalog, identifier, target_file_size_bytes=args.target_file_size, min_input_files=args.min_input_files, finalized_only=True))
-        print(result.describe())
+        _say(result.describe())
     return 0
 
 
 def _privacy_delete(args: argparse.Namespace) -> int:
-    keys = []
-    for text in args.keys:
-        try:
-            key = json.loads(text)
-        except json.JSONDecodeError:
-            key = None
-        if not isinstance(key, dict) or not key:
-            raise InvalidInput(f"--key {text!r} is not a JSON object naming the primary key, e.g. '{{\"id\": 42}}'")
-        keys.append(key)
+    keys = [key_from_json(text, f"--key #{i}") for i, text in enumerate(args.keys, 1)]
     if not args.request_id.strip():
         raise InvalidInput("--request-id must not be blank")
     catalog = _existing_catalog()
@@ -403,9 +410,9 @@ def _privacy_delete(args: argparse.Namespace) -> int:
     result = _retrying(f"privacy delete {args.request_id} on {args.table}", lambda: privacy_delete(
         catalog, args.table, keys, request_id=args.request_id, erased_before_us=erase_before))
     deleted = ", ".join(f"{n} record(s) from {identifier}" for identifier, n in result.deleted_by_table().items())
-    print(f"privacy delete {args.request_id} ({len(keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
-          f"{deleted or 'nothing held them'}; older snapshots still reference the old files "
-          f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
+    _say(f"privacy delete {args.request_id} ({len(keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "
+         f"{deleted or 'nothing held them'}; older snapshots still reference the old files "
+         f"until `partfin maintain --table {args.table}` expires them and removes the orphans")
     return 0
 
 
@@ -418,11 +425,11 @@ def _maintain(args: argparse.Namespace) -> int:
     for maintained in tables:  # expiry first: what it frees becomes an orphan
         expired = expire_table_snapshots(catalog, maintained.identifier, maintained.retention(retention))
         kept = len(catalog.load_table(maintained.identifier).metadata.snapshots)
-        print(f"{maintained.identifier}: {expired} snapshot(s) expired, {kept} kept")
+        _say(f"{maintained.identifier}: {expired} snapshot(s) expired, {kept} kept")
     for maintained in tables:
         report = remove_orphan_files(catalog, maintained.identifier, older_than_s=age_s, dry_run=args.dry_run)
-        print(f"{maintained.identifier}: {len(report.orphans)} orphan file(s) {'found' if args.dry_run else 'deleted'} "
-              f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {age_s:g} s kept")
+        _say(f"{maintained.identifier}: {len(report.orphans)} orphan file(s) {'found' if args.dry_run else 'deleted'} "
+             f"({report.bytes_orphaned:,} bytes), {len(report.too_young)} younger than {age_s:g} s kept")
     return 0
 
 
@@ -436,52 +443,52 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps({"tables": [s.as_dict() for s in statuses]}, indent=2))
         return 0
     if not statuses:
-        print("no partfin tables yet: run `partfin ingest --table T --source ...` first")
+        _say("no partfin tables yet: run `partfin ingest --table T --source ...` first")
         return 0
     header = (
         f"{'table':<24} {'watermark':<22} {'finalized through':<22} {'policy':<22} {'checkpoint':>10} {'late':>8} "
         f"{'rejected':>9} {'quarantined':>11}"
     )
-    print(header)
+    _say(header)
     for s in statuses:
-        print(
-            f"{s.name:<24} {s.watermark or ('BROKEN' if s.broken else '-'):<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
-            f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
-            f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
-        )
+        _say(
+           f"{s.name:<24} {s.watermark or ('BROKEN' if s.broken else '-'):<22} {s.finalized_through or '-':<22} {s.policy or '-':<22} "
+           f"{s.checkpoint_id if s.checkpoint_id is not None else '-':>10} {s.late_records:>8} "
+           f"{s.rejected if s.layer == 'cdc' else '-':>9} {s.quarantined if s.layer == 'base' else '-':>11}"
+       )
     for s in statuses:
         for ack in s.acknowledged_late_hours or []:
-            print(f"{s.name}: hour {ack['hour']}: {ack['late_records']} late record(s) acknowledged by {ack['by']} at {ack['at']}: "
-                  f"{ack['reason']}")
+            _say(f"{s.name}: hour {ack['hour']}: {ack['late_records']} late record(s) acknowledged by {ack['by']} at {ack['at']}: "
+                 f"{ack['reason']}")
         if s.late_hours_needing_attention:
             hours = ", ".join(f"{hour} ({n})" for hour, n in s.late_hours_needing_attention.items())
-            print(f"{s.name}: {NEEDS_ATTENTION} in hour(s) {hours}: re-run them downstream, or acknowledge "
-                  "(`partfin late-data ack`)")
+            _say(f"{s.name}: {NEEDS_ATTENTION} in hour(s) {hours}: re-run them downstream, or acknowledge "
+                 "(`partfin late-data ack`)")
     for s in statuses:
         if s.rebucket:
-            print(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
-                  f"`{s.rebucket}`, then compact")
+            _say(f"{s.name}: its {s.buckets} buckets hold {s.bytes_per_bucket:,} bytes each on average, above the target file size: "
+                 f"`{s.rebucket}`, then compact")
     for s in statuses:
         for clock in s.clocks or []:
-            print(f"{s.name}: {clock['description']}")
+            _say(f"{s.name}: {clock['description']}")
         if s.finalized_tags:
-            print(f"{s.name}: {s.finalized_tags} finalized hour(s) tagged, {s.oldest_finalized_tag} .. {s.newest_finalized_tag} "
-                  f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
-                  f"'{s.newest_finalized_tag}' (see docs/consumers.md)")
+            _say(f"{s.name}: {s.finalized_tags} finalized hour(s) tagged, {s.oldest_finalized_tag} .. {s.newest_finalized_tag} "
+                 f"(`-amend-N`: late data); any engine reads one: SELECT * FROM {s.name} FOR VERSION AS OF "
+                 f"'{s.newest_finalized_tag}' (see docs/consumers.md)")
     quarantined = [s for s in statuses if s.quarantined]
     for s in quarantined:
-        print(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
+        _say(f"{s.name}: {s.quarantined} change(s) could not be decoded: see {s.name}__rejected (column, reason)")
     for s in statuses:
         if s.broken:
-            print(s.broken)
+            _say(s.broken)
     return 0
 
 
 def _late_data(args: argparse.Namespace) -> int:
     acks = acknowledge_late_hours(_existing_catalog(), args.table, None if args.all else args.hours, args.reason, args.by)
     for ack in acks:
-        print(f"cdc.{args.table}: hour {ack.as_dict()['hour']}: {ack.late_records} late record(s) acknowledged by {ack.by} "
-              f"({ack.reason}); late records arriving later raise the WARN again")
+        _say(f"cdc.{args.table}: hour {ack.as_dict()['hour']}: {ack.late_records} late record(s) acknowledged by {ack.by} "
+             f"({ack.reason}); late records arriving later raise the WARN again")
     return 0
 
 
@@ -489,7 +496,7 @@ def _report(args: argparse.Namespace) -> int:
     config = CatalogConfig.from_env()
     out = Path(args.out) if args.out else report_dir(config.home)
     page, picture = write_report(finalization_picture(config.load(create=False), args.table), out)
-    print(f"cdc.{args.table}: {page} (self-contained HTML) and {picture} (PNG)")
+    _say(f"cdc.{args.table}: {page} (self-contained HTML) and {picture} (PNG)")
     return 0
 
 
@@ -499,23 +506,23 @@ def _streams(args: argparse.Namespace) -> int:
     load_existing_table(catalog, identifier)  # one line for a table that is not there, whatever the action
     if args.action == "retire":
         stream = retire_stream(catalog, identifier, args.stream)
-        print(f"{identifier}: stream {stream.stream_id!r} retired; the watermark no longer waits for it "
-              "(from the next checkpoint of any writer); a writer that starts under this id registers it again")
+        _say(f"{identifier}: stream {stream.stream_id!r} retired; the watermark no longer waits for it "
+             "(from the next checkpoint of any writer); a writer that starts under this id registers it again")
         return 0
     if args.action == "idle-timeout":
         if args.timeout is not None:
             set_idle_timeout(catalog, identifier, args.timeout)
         timeout = idle_timeout_us(load_existing_table(catalog, identifier).properties) / US_PER_SECOND
-        print(f"{identifier}: a stream that commits nothing for {timeout:g}s stops holding the watermark")
+        _say(f"{identifier}: a stream that commits nothing for {timeout:g}s stops holding the watermark")
         return 0
     rows = stream_status(load_existing_table(catalog, identifier))
     if args.json:
         print(json.dumps({"table": identifier, "streams": rows}, indent=2))
         return 0
-    print(f"{'stream':<28} {'state':<8} {'progress':<22} {'last checkpoint at':<28} {'checkpoint':>10}")
+    _say(f"{'stream':<28} {'state':<8} {'progress':<22} {'last checkpoint at':<28} {'checkpoint':>10}")
     for row in rows:
-        print(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
-              f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
+        _say(f"{row['stream']:<28} {row['state']:<8} {row['progress'] or '-':<22} {row['seen']:<28} "
+             f"{row['checkpoint'] if row['checkpoint'] is not None else '-':>10}")
     return 0
 
 
@@ -530,10 +537,11 @@ def _policy_lab(args: argparse.Namespace) -> int:
         data = recorded(read_ledger(catalog, f"cdc.{args.table}", columns=LAB_COLUMNS), args.table)
     policies = args.policies or lab_policies(args.budget)
     report, lab = run_lab(data, policies, args.budget)
-    print(report.table())
+    for line in [*report.table().splitlines(), ""]:
+        _say(line)
     png, page = write_plot(report, lab, Path(args.out))
-    print(f"\nrecommended: {report.recommended} (the smallest median lag within {args.budget:.2%} late)")
-    print(f"plot: {png} and {page}")
+    _say(f"recommended: {report.recommended} (the smallest median lag within {args.budget:.2%} late)")
+    _say(f"plot: {png} and {page}")
     return 0
 
 

@@ -174,7 +174,7 @@ def test_sync_reports_every_hour_it_touched_with_its_metadata(env):
     assert not any("finalization_report" in m for m in observed)
     (reported,) = [r.event_log_entry.asset_observation.metadata for r in instance.fetch_observations(REPORT, limit=10).records]
     report = reported["finalization_report"].value
-    assert report.startswith("## Finalization of cdc.orders") and "### Watermark vs wall clock" in report
+    assert report.startswith(r"## Finalization of cdc\.orders") and "### Watermark vs wall clock" in report
     assert "| hour (UTC) | final | finalization lag | late records |" in report
     plots = re.findall(r"!\[([^\]]+)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", report)
     assert [title for title, _ in plots] == ["Watermark over wall time", "Finalization lag per hour (h)", "Late records per hour"]

@@ -13,7 +13,6 @@ Everything is read from the late-data ledger and table properties (no data files
 from __future__ import annotations
 
 import base64
-import html
 import io
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,6 +26,7 @@ from partfin_assets.finalization.hours import finalized_through
 from partfin_assets.iceberg.catalog import load_existing_table
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.iceberg.ledger import read_ledger
+from partfin_assets.model.display_text import html_text, markdown_text
 from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.timeutil import format_duration, from_us, iso_z
 
@@ -101,12 +101,12 @@ def write_html(picture: FinalizationPicture, path: Path) -> Path:
     fig.update_yaxes(title_text="watermark (event time, UTC)", row=1, col=1)
     for row in (2, 3, 4):
         fig.update_xaxes(title_text="event hour (UTC)", row=row, col=1)
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in picture.facts().items())
+    rows = "".join(f"<tr><th>{html_text(k)}</th><td>{html_text(v)}</td></tr>" for k, v in picture.facts().items())
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>partfin finalization report: cdc.{html.escape(picture.table)}</title>"
+        f"<title>partfin finalization report: cdc.{html_text(picture.table)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}th{text-align:left;padding-right:2em}</style></head><body>"
-        f"<h1>Finalization of cdc.{html.escape(picture.table)}</h1><table id='policy'>{rows}</table>"
+        f"<h1>Finalization of cdc.{html_text(picture.table)}</h1><table id='policy'>{rows}</table>"
         + fig.to_html(full_html=False, include_plotlyjs=True)
         + "</body></html>"
     )
@@ -122,10 +122,10 @@ def markdown_report(picture: FinalizationPicture) -> str:
     """The report as markdown, for Dagster's metadata (the UI renders it, images included: no file on the server's disk
     to open): the facts, the plots people need (plot_pngs, as data: URIs, which Dagster's markdown renderer allows),
     the watermark against the wall clock, and per hour its finalization lag, late records and records. Durations as
-    durations; the newest rows only."""
+    durations; the newest rows only. The facts (the policy is a table property anyone may set) are literal text."""
     facts = picture.facts()
-    lines = [f"## Finalization of cdc.{picture.table}", "", "| | |", "|---|---|",
-             *(f"| {k} | {v} |" for k, v in facts.items()), ""]
+    lines = [f"## Finalization of {markdown_text(facts['table'])}", "", "| | |", "|---|---|",
+             *(f"| {markdown_text(k)} | {markdown_text(v)} |" for k, v in facts.items()), ""]
     for title, png in plot_pngs(picture).items():
         lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})", ""]
     lines += ["### Watermark vs wall clock", "", "| commit clock (UTC) | watermark (UTC) | watermark trails the wall clock by |",
@@ -183,7 +183,8 @@ def write_png(picture: FinalizationPicture, path: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(4, 1, figsize=(11, 15), constrained_layout=True)
     policy = picture.facts()
-    fig.suptitle(f"cdc.{picture.table}: policy {policy['watermark policy']}, watermark {policy['watermark']}")
+    fig.suptitle(f"cdc.{picture.table}: policy {policy['watermark policy']}, watermark {policy['watermark']}",
+                 parse_math=False)  # the policy is a table property: its `$` is text, not mathtext
     _draw_watermark(axes[0], picture)
     for ax, (title, values) in zip(axes[1:], _hour_series(picture).items()):
         _draw_bars(ax, picture.hour_times, values, title)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import polars as pl
@@ -30,6 +30,7 @@ from partfin_assets.iceberg.ledger import hour_totals, read_ledger
 from partfin_assets.iceberg.history import lineage, recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.display_text import markdown_text
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.watermark.registry import table_policy
@@ -317,4 +318,6 @@ def clock_disagreements(catalog: Catalog, name: str) -> CheckOutcome:
     found = sorted(writer_clocks(cdc.properties).values(), key=lambda c: c.writer_id) if cdc is not None else []
     if not found:
         return CheckOutcome(True, f"no writer of cdc.{name} was found with a clock ahead of another's", metadata={"disagreements": []})
-    return CheckOutcome(False, "; ".join(c.describe() for c in found), WARN, {"disagreements": [c.as_dict() for c in found]})
+    # writer ids are anyone's text, and the UI renders a check's description as markdown
+    shown = [replace(c, writer_id=markdown_text(c.writer_id), ahead_of=markdown_text(c.ahead_of)) for c in found]
+    return CheckOutcome(False, "; ".join(c.describe() for c in shown), WARN, {"disagreements": [c.as_dict() for c in found]})

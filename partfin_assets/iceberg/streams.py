@@ -41,11 +41,19 @@ that finds it, so `seen` beyond the finder's clock by more than the tolerance me
 that recorded it runs ahead by at least that much (`partfin.writer-clock.<writer>`); a later
 first sight by that writer of the finder's checkpoint within the tolerance clears it. A writer
 found ahead judges event times with its clock less that lead (`trusted_clock_us`).
+
+Names. A writer id names a stream, the table properties above and the ledger's rows, and begins
+its partition streams' ids (`<writer id>/<partition>`), so one a user gives is checked
+(`check_writer_id`): 1-128 ASCII letters, digits, `.`, `_`, `-`, starting with a letter or digit
+(no `/`, which begins a partition's stream; no space or control character, which would split the
+lines of `partfin streams`), and outside `partfin.`, the prefix of partfin's own streams
+(`REPLAY_STREAM`: the ledger's record of each replay of an hour).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -64,6 +72,35 @@ from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso, to_us
 
 DEFAULT_IDLE_TIMEOUT = timedelta(microseconds=STREAMS_IDLE_TIMEOUT.default_value)
 ACTIVE, RETIRED = "active", "retired"
+
+RESERVED_STREAM_PREFIX = "partfin."  # partfin's own streams; no writer id starts with it (in any case)
+REPLAY_STREAM = RESERVED_STREAM_PREFIX + "replay"  # the ledger's stream of replays of an hour (checkpoint id: sequence number)
+PARTITION_SEPARATOR = "/"  # a partition's stream: <writer id>/<partition>
+_WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_PARTITION = re.compile(r"[A-Za-z0-9._-]{1,300}")  # Kafka: <topic>-<partition> (topic names use these characters)
+WRITER_ID_FORM = ("1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                  f"not starting with {RESERVED_STREAM_PREFIX!r} (partfin's own streams)")
+
+
+def check_writer_id(writer_id: str) -> str:
+    """A writer id a user gives, if partfin can use it (see Names in the module docstring); else InvalidInput."""
+    if not _WRITER_ID.fullmatch(writer_id) or writer_id.lower().startswith(RESERVED_STREAM_PREFIX):
+        raise InvalidInput(f"writer id {writer_id!r} is not one partfin can use: {WRITER_ID_FORM}")
+    return writer_id
+
+
+def check_stream_id(stream_id: str) -> str:
+    """A stream id a user gives: a writer id, or a writer's partition stream `<writer id>/<partition>`."""
+    writer_id, separator, partition = stream_id.partition(PARTITION_SEPARATOR)
+    try:
+        check_writer_id(writer_id)
+    except InvalidInput:
+        pass
+    else:
+        if not separator or _PARTITION.fullmatch(partition):
+            return stream_id
+    raise InvalidInput(f"stream {stream_id!r} is not one partfin names: a writer id ({WRITER_ID_FORM}), "
+                       f"or <writer id>/<partition> (letters, digits, '.', '_', '-')")
 
 
 class UnknownStream(PartfinError):
@@ -338,7 +375,8 @@ def retire_stream(catalog: Catalog, identifier: str, stream_id: str) -> Stream:
 
     def build(table: Table, commit_id: str):
         streams = streams_of(table.properties)
-        if stream_id not in streams:
+        if stream_id not in streams:  # one an older partfin registered under a name outside the form can be retired
+            check_stream_id(stream_id)
             known = ", ".join(sorted(streams)) or "none"
             raise UnknownStream(f"{identifier} has no stream {stream_id!r} (streams: {known})")
         targets = [s for sid, s in streams.items() if sid == stream_id or (s.writer_id == stream_id and sid.startswith(stream_id + "/"))]

@@ -44,7 +44,7 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, hour_rows, reconcile
 from partfin_assets.iceberg.streams import (
-    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
+    CommittedPosition, Stream, check_clocks, check_writer_id, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
     stream_property, streams_of, trusted_clock_us, writer_clocks,
 )
 from partfin_assets.iceberg.tables import ensure_cdc_tables
@@ -194,7 +194,7 @@ class CdcWriter:
             raise InvalidInput(f"subtasks must be at least 1, got {subtasks}")
         self.catalog = catalog
         self.spec = spec
-        self.writer_id = writer_id or f"{spec.name}-writer"
+        self.writer_id = check_writer_id(writer_id) if writer_id is not None else f"{spec.name}-writer"
         self.subtasks = subtasks
         self.accumulators = list(accumulators) if accumulators is not None else [EventTimeAccumulator]
         self.processors = list(processors) if processors is not None else [WatermarkProcessor()]
