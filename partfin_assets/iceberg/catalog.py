@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.catalog.sql import SqlCatalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.table import CommitTableResponse, StagedTable, Table
 from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
@@ -180,7 +180,15 @@ class _PartfinSqlCatalog(SqlCatalog):
                            io=self._load_file_io(properties=metadata.properties, location=location), catalog=self)
 
     def commit_table(self, table: Table, requirements, updates) -> CommitTableResponse:
-        response = super().commit_table(table, requirements, updates)
+        try:
+            response = super().commit_table(table, requirements, updates)
+        except ValueError as exc:
+            if not _applies_to(table.metadata, updates):
+                raise  # the update is wrong on the metadata it was built on too: a bug, not a race
+            # It applied to the metadata the commit was built on, not to the current one: a concurrent commit changed
+            # what it refers to (an expiry removed the snapshot a tag was to point at, or snapshots this expiry was to
+            # remove). Nothing was written: a lost compare-and-set, retried on fresh metadata like any other.
+            raise CommitFailedException(f"{table.name()} changed under this commit: {first_line(str(exc))}") from exc
         self._remember(response.metadata_location, response.metadata)
         return response
 
@@ -195,6 +203,14 @@ class _PartfinSqlCatalog(SqlCatalog):
                 f"table {name} is broken: its current metadata file {missing} is missing; restore it from a backup "
                 "(other tables are not affected)"
             ) from None
+
+
+def _applies_to(metadata: TableMetadata, updates) -> bool:
+    try:
+        updated_metadata(metadata, tuple(updates))
+    except ValueError:
+        return False
+    return True
 
 
 def _lost_creation_race(exc: BaseException) -> bool:
