@@ -12,6 +12,11 @@ writes creates the default catalog (`load(create=True)`); any other finds there 
 
 A table whose current metadata file is missing cannot be loaded: BrokenTable, one line naming
 the file, for that table alone (SqlCatalog otherwise raises a bare FileNotFoundError).
+
+A catalog database another process holds locked (SQLite: a writer frozen inside its commit) is waited for, with a
+log line, up to PARTFIN_CATALOG_LOCK_WAIT (60 s); then the lock error ends the command (exit 75). A commit that
+applied to the metadata it was built on but not to the current one (a concurrent expiry removed a snapshot it
+names) is a lost compare-and-set: CommitFailedException, retried like any other.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from partfin_assets.iceberg.commit import updated_metadata
-from partfin_assets.model.faults import faults
 from partfin_assets.model.errors import BrokenTable, PartfinConfigError, first_line, one_line
+from partfin_assets.model.faults import faults
 from partfin_assets.model.redaction import redact, secrets_redacted
 from partfin_assets.model.settings import Settings
 
