@@ -14,6 +14,7 @@ import json
 import re
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -175,14 +176,20 @@ def test_a_locked_catalog_is_one_line_and_exit_75_and_a_re_run_is_exact(tmp_path
     assert partfin(tmp_path, *args).returncode == 0
     more = ("ingest", "--table", "orders", "--source", MORE)
     lock = sqlite3.connect(tmp_path / "catalog.db", isolation_level=None)
-    lock.execute("BEGIN EXCLUSIVE")  # another process holding the catalog database
+    lock.execute("BEGIN EXCLUSIVE")  # another process holding the catalog database, longer than partfin waits for it
     try:
-        locked = partfin(tmp_path, *more)
+        started = time.monotonic()
+        locked = partfin(tmp_path, *more, env_extra={"PARTFIN_CATALOG_LOCK_WAIT": "8"})
+        waited = time.monotonic() - started
     finally:
         lock.execute("ROLLBACK")
         lock.close()
-    print(f"\nlocked: exit {locked.returncode}: {locked.stderr.strip().splitlines()[-1:]}")
-    one_line_refusal(locked, "the catalog database is locked by another process", code=75)
+    print(f"\nlocked: exit {locked.returncode} after {waited:.0f} s: {locked.stderr.strip().splitlines()[-1:]}")
+    waiting, *error = locked.stderr.strip().splitlines()
+    assert "the catalog database is locked by another process: waiting for it (up to 8 s" in waiting, locked.stderr
+    assert waited >= 8  # it waited for the lock (the bound) before it gave up
+    one_line_refusal(subprocess.CompletedProcess(locked.args, locked.returncode, "", "\n".join(error)),
+                     "the catalog database is locked by another process", code=75)
     assert partfin(tmp_path, *more).returncode == 0
     assert_exact(tmp_path, MORE, tmp_path / "reference")
 
