@@ -48,6 +48,8 @@ def wm(hours: int) -> str:
         ("percentile:0.001:last:3", Percentile(CommitWindow(commits=3), quantile=0.001)),
         ("percentile:0.001:last:2h", Percentile(CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
         ("late-budget:0.001", LateBudget(budget=0.001)),
+        ("late-budget:0.001:feedback", LateBudget(budget=0.001)),
+        ("late-budget:0.001:open-loop", LateBudget(budget=0.001, feedback=False)),
     ],
 )
 def test_policy_parses(text, expected):
@@ -61,7 +63,8 @@ def test_a_table_without_a_policy_property_runs_the_default():
 
 
 @pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3",
-                                  "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget"])
+                                  "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget",
+                                  "late-budget:0.001:pid"])
 def test_bad_policy_names_the_problem(text):
     with pytest.raises(PolicyError, match=re.escape(repr(text))):
         parse_policy(text)

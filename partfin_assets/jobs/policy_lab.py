@@ -94,6 +94,8 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     """
     if scenario not in SCENARIOS:
         raise InvalidInput(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
+    if hours < (4 if scenario == "shift" else 1):
+        raise InvalidInput(f"--hours {hours}: the {scenario} scenario measures at least {4 if scenario == 'shift' else 1} hour(s)")
     rng = np.random.default_rng(seed)
     measure_from = SIM_START_US + history_hours * US_PER_HOUR
     measure_to = measure_from + hours * US_PER_HOUR

@@ -53,14 +53,14 @@ class LearnedDelay:
     def to_json(self) -> dict:
         c = self.correction
         return {"delay-s": None if self.delay_us is None else self.delay_us / US_PER_SECOND, "records": self.records,
-                "learned-at-us": self.learned_at_us, "correction-s": c.delay_us / US_PER_SECOND,
-                "judged-from-us": c.judged_from_us, "widened-at-us": c.widened_at_us}
+                "learned-at-us": self.learned_at_us, "correction-s": c.delay_us / US_PER_SECOND, "widened-at-us": c.widened_at_us,
+                "changes": [[mark, delay / US_PER_SECOND] for mark, delay in c.changes]}
 
     @classmethod
     def from_json(cls, entry: dict) -> LearnedDelay:
         delay = entry.get("delay-s")
-        correction = Correction(int(round(entry.get("correction-s", 0) * US_PER_SECOND)), entry.get("judged-from-us"),
-                                entry.get("widened-at-us"))
+        correction = Correction(int(round(entry.get("correction-s", 0) * US_PER_SECOND)), entry.get("widened-at-us"),
+                                tuple((int(mark), int(round(delay * US_PER_SECOND))) for mark, delay in entry.get("changes", [])))
         return cls(None if delay is None else int(round(delay * US_PER_SECOND)), int(entry["records"]), int(entry["learned-at-us"]),
                    correction)
 
