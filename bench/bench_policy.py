@@ -23,6 +23,7 @@ from _sizes import parse_sizes
 def main() -> int:
     from partfin_assets.jobs.policy_lab import DEFAULT_POLICIES, SCENARIOS, run_lab, simulate
     from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY
+    from partfin_assets.watermark.registry import parse_policy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
@@ -32,7 +33,8 @@ def main() -> int:
     parser.add_argument("--history-hours", type=int, default=8, help="hours of history before them")
     args = parse_sizes(parser, smoke=dict(scenarios=["steady"], hours=3, history_hours=2))
     open_loop = f"late-budget:{args.budget:g}:open-loop"  # the learned delay alone: what the default was before the feedback
-    policies = list(dict.fromkeys([*DEFAULT_POLICIES, open_loop, f"late-budget:{args.budget:g}", DEFAULT_WATERMARK_POLICY]))
+    texts = [*DEFAULT_POLICIES, open_loop, f"late-budget:{args.budget:g}", DEFAULT_WATERMARK_POLICY]
+    policies = list({str(parse_policy(text)): text for text in texts}.values())  # one text per policy (the default's last)
     checks = []
     for scenario in args.scenarios:
         started = time.perf_counter()
