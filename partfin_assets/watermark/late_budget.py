@@ -130,7 +130,7 @@ back slowly; `late-budget:b:open-loop` is the learned delay alone (what `late-bu
         arrival = this.arrival_us if this.arrival_us is not None else this.clock_us
         if arrival is None:
             return None
-        reach = arrival - state.in_force_us
+        reach = arrival - (state.in_force_us if self.feedback else state.delay_us)  # open loop: a correction recorded before unused
         if this.high_us is not None:  # a backlog still being delivered: never past what it delivered
             reach = min(reach, this.high_us)
         return floor_hour_us(reach)
