@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     lab_input = lab.add_mutually_exclusive_group(required=True)
     lab_input.add_argument("--table", help="replay cdc.<table>'s late-data ledger")
-    lab_input.add_argument("--scenario", choices=SCENARIOS, help="replay a simulated stream (16 h after 8 h of history)")
+    lab_input.add_argument("--scenario", choices=SCENARIOS, help="replay a simulated stream (--hours after 8 h of history)")
+    lab.add_argument("--hours", type=int, default=16, help="measured hours of a simulated stream (default 16)")
     lab.add_argument("--policies", nargs="+", help=f"policies to compare (default: {' '.join(lab_policies(0.001))}, with --budget's)")
     lab.add_argument("--budget", type=float, default=0.001, help="share of records accepted late after finalization (default 0.001)")
     lab.add_argument("--out", default="policy-lab", help="plot files: <out>.png and <out>.html (default ./policy-lab)")
@@ -530,7 +531,7 @@ def _policy_lab(args: argparse.Namespace) -> int:
     if not 0 < args.budget < 1:
         raise InvalidInput(f"--budget must be in (0, 1), got {args.budget:g}")
     if args.scenario is not None:
-        data = simulate(args.scenario, seed=args.seed)
+        data = simulate(args.scenario, seed=args.seed, hours=args.hours)
     else:
         catalog = _existing_catalog()
         load_existing_table(catalog, f"cdc.{args.table}")  # a clear error for a table that is not there

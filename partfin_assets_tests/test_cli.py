@@ -26,7 +26,7 @@ def test_ingest_then_status_json(tmp_path):
     status = json.loads(partfin(tmp_path, "status", "--json").stdout)
     (cdc,) = [t for t in status["tables"] if t["name"] == "cdc.orders"]
     assert {"name", "watermark", "policy", "checkpoint_id", "late_records"} <= set(cdc)
-    assert cdc["policy"] == "late-budget:0.001" and cdc["checkpoint_id"] >= 3  # the default for new tables
+    assert cdc["policy"] == "late-budget:0.001:feedback" and cdc["checkpoint_id"] >= 3  # the default for new tables
     assert cdc["watermark"].endswith(":00:00Z")
 
     again = partfin(tmp_path, "ingest", "--table", "orders", "--source", source)

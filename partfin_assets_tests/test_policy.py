@@ -54,14 +54,17 @@ def test_one_event_from_a_clock_two_days_ahead_does_not_suppress_heartbeats(tmp_
     assert watermark is not None and watermark >= floor_hour_us(beats[-1] * 1000) - 3_600_000_000
 
 
-def _tail_stream(hours: int, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Event and arrival times (us), in arrival order: lognormal lateness around 20 s plus a 1.5 % tail up to 1 h."""
+def _tail_stream(hours: int, rate: float, seed: int, slower_from_hour: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Event and arrival times (us), in arrival order: lognormal lateness around 20 s plus a 1.5 % tail up to 1 h; from
+    hour `slower_from_hour` on, the body of the lateness is 30x longer (median 10 min: a connector fallen behind)."""
     from partfin_assets_tests.conftest import T0_US
 
     rng = np.random.default_rng(seed)
     count = int(hours * 3600 * rate)
     event = T0_US + np.sort(rng.integers(0, hours * 3_600_000_000, count))
     lateness = rng.lognormal(np.log(20.0), 0.8, count)
+    if slower_from_hour is not None:
+        lateness[event >= T0_US + slower_from_hour * 3_600_000_000] *= 30
     tail = rng.random(count) < 0.015
     lateness[tail] = rng.uniform(0, 3600, tail.sum())
     arrival = event + (lateness * 1e6).astype(np.int64)
@@ -196,6 +199,36 @@ def test_the_policy_lab_replays_a_writers_ledger_into_the_watermarks_it_committe
         assert learned["delay-s"] is not None and learned["records"] >= 1000, learned
 
 
+def test_late_budget_widens_from_the_late_records_of_a_shift_and_the_lab_replays_it(catalog):
+    """A writer under late-budget:0.01 commits 10 hours; from hour 7 on the connector falls behind (the body of the
+    lateness 30x longer), a checkpoint every 5 minutes. The
+    learned delay knows only hours that ended 6 hours ago: open loop, the shifted hours run far over their budget.
+    The feedback widens the delay from the late records the writer's own ledger shows; the lab, replaying the
+    ledger with the same code, gives back every watermark the writer committed, and what open loop would have done."""
+    import json
+
+    from partfin_assets.iceberg.ledger import read_ledger
+    from partfin_assets.jobs.policy_lab import LAB_COLUMNS, Lab, LabInput, replay
+    from partfin_assets.model import summary_keys as K
+    from partfin_assets_tests.conftest import T0_US
+
+    event, arrival = _tail_stream(hours=10, rate=0.2, seed=5, slower_from_hour=7)
+    _commit_stream(catalog, "orders", "late-budget:0.01", event, arrival, 300)
+    learned = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_LATE_BUDGET_LEARNED])
+    assert learned["correction-s"] > 0 and learned["widened-at-us"] is not None, learned
+
+    rows = read_ledger(catalog, "cdc.orders", columns=LAB_COLUMNS)
+    after_onset = T0_US + 8 * 3_600_000_000  # the shifted hours after the first (the one that shows the shift)
+    lab = Lab(LabInput(rows.select(LAB_COLUMNS), after_onset, after_onset + 2 * 3_600_000_000, "recorded"))
+    run = replay(lab.commits, lab.streams, "late-budget:0.01", lab.rows)
+    committed = dict(zip(rows["snapshot_id"].to_list(), rows["watermark"].dt.epoch("us").to_list()))
+    assert run.watermark_us.tolist() == [committed[c.snapshot_id] for c in lab.commits]
+    feedback, open_loop = lab.recorded("late-budget:0.01"), lab.policy("late-budget:0.01:open-loop")
+    print(learned, feedback, open_loop)
+    assert open_loop.late_share > 0.02  # open loop: over twice the budget in the shifted hours
+    assert feedback.late_share < open_loop.late_share / 2
+
+
 def test_late_budget_learns_while_its_writer_catches_up_on_a_backlog(catalog):
     """A new table's writer works through a backlog whose first hours are mature (ended over 6 hours ago), a checkpoint
     every 4 s (a demo's start, a backfill): late-budget learns its delay within its first minutes. Before: it learned
@@ -264,3 +297,30 @@ def test_partfin_policy_lab_on_a_table_and_on_a_scenario(tmp_path):
 
     missing = partfin(home, "policy-lab", "--table", "nothing")
     assert missing.returncode == 2 and missing.stderr.startswith("partfin: error:") and len(missing.stderr.splitlines()) == 1
+
+
+def test_partfin_policy_lab_reports_a_lateness_shift_per_phase(tmp_path):
+    """`partfin policy-lab --scenario shift`: a connector falls 30 minutes behind for the middle half of the measured
+    hours, then recovers. The table reports the late share per phase; the default holds the budget over the run and
+    after the shift's first two hours, where the learned delay alone (open loop, what the default was before) breaks it."""
+    home = tmp_path / "home"
+    lab = partfin(home, "policy-lab", "--scenario", "shift", "--hours", "12", "--policies", "late-budget:0.001",
+                  "late-budget:0.001:open-loop", "--out", str(tmp_path / "shift-lab"))
+    assert lab.returncode == 0, lab.stderr
+    print(lab.stdout)
+    assert "| policy | before | shift, first 2 h | shift, after 2 h | after recovery |" in lab.stdout
+
+    def shares(policy: str) -> list[float]:
+        rows = [line for line in lab.stdout.splitlines() if line.startswith(f"| `{policy}`")]
+        run, phases = rows[0].split("|")[2], rows[1].split("|")[2:-1]
+        return [float(cell.strip().rstrip("%")) / 100 for cell in [run, *phases]]
+
+    run, before, onset, during, after = shares("late-budget:0.001")
+    assert run <= 0.001 and before <= 0.001 and during <= 0.001 and after <= 0.001
+    open_run, _, _, open_during, _ = shares("late-budget:0.001:open-loop")
+    assert open_run > 0.001 and open_during > 0.001
+    assert "recommended: late-budget:0.001 " in lab.stdout
+
+    short = partfin(home, "policy-lab", "--scenario", "shift", "--hours", "3")
+    assert short.returncode == 2 and short.stderr.startswith("partfin: error:") and len(short.stderr.splitlines()) == 1
+

@@ -48,6 +48,8 @@ def wm(hours: int) -> str:
         ("percentile:0.001:last:3", Percentile(CommitWindow(commits=3), quantile=0.001)),
         ("percentile:0.001:last:2h", Percentile(CommitWindow(span_us=2 * HOUR_US), quantile=0.001)),
         ("late-budget:0.001", LateBudget(budget=0.001)),
+        ("late-budget:0.001:feedback", LateBudget(budget=0.001)),
+        ("late-budget:0.001:open-loop", LateBudget(budget=0.001, feedback=False)),
     ],
 )
 def test_policy_parses(text, expected):
@@ -61,7 +63,8 @@ def test_a_table_without_a_policy_property_runs_the_default():
 
 
 @pytest.mark.parametrize("text", ["min-of-last", "min-of-last:0", "percentile:2:last:3", "max-of-last:3", "percentile:0.1:3",
-                                  "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget"])
+                                  "min-of-last:0m", "min-of-last:soon", "late-budget:0", "late-budget:1.5", "late-budget",
+                                  "late-budget:0.001:pid"])
 def test_bad_policy_names_the_problem(text):
     with pytest.raises(PolicyError, match=re.escape(repr(text))):
         parse_policy(text)
@@ -218,3 +221,30 @@ def test_a_longer_window_declared_on_a_young_table_runs_over_the_commits_it_has(
     assert result.summary[K.WATERMARK] == wm(0)  # the min over the three commits there are
     change = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK_POLICY_CHANGE])
     assert (change["from"], change["to"]) == ("min-of-last:3", "min-of-last:10") and change["effective-at"] is not None
+
+
+def test_a_table_the_version_before_ran_records_the_feedback_as_a_policy_change(catalog):
+    """A table on late-budget:0.001 from before the feedback (its checkpoints recorded the short text) gets the
+    feedback with the next writer, and its first checkpoint under it records the change, effective at once."""
+
+    class VersionBefore(WatermarkProcessor):  # what a writer of the version before recorded it ran
+        def pre_commit(self, ctx):
+            super().pre_commit(ctx)
+            ctx.summary[K.WATERMARK_POLICY_APPLIED] = "late-budget:0.001"
+
+    spec = TableSpec(ORDERS.name, ORDERS.primary_key, ORDERS.columns, watermark_policy="late-budget:0.001")
+    old = CdcWriter(catalog, spec, processors=[VersionBefore()])
+    old.write_checkpoint(hour_batch(0, 1))
+    old.close()
+    assert K.PROP_WATERMARK_POLICY_CHANGE not in catalog.load_table("cdc.orders").properties
+    from partfin_assets.iceberg.commit import set_table_properties
+
+    set_table_properties(catalog, "cdc.orders", {K.PROP_WATERMARK_POLICY: "late-budget:0.001"})  # its text then
+    writer = CdcWriter(catalog, TableSpec(ORDERS.name, ORDERS.primary_key, ORDERS.columns))  # keeps the table's policy
+    result = writer.write_checkpoint(hour_batch(1, 2))
+    writer.close()
+    assert result.summary[K.WATERMARK_POLICY_APPLIED] == "late-budget:0.001:feedback"
+    change = json.loads(catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK_POLICY_CHANGE])
+    assert change["from"] == "late-budget:0.001" and change["to"] == "late-budget:0.001:feedback"
+    assert change["effective-at"] == change["requested-at"]
+    assert parse_policy(change["from"]) == parse_policy(change["to"]) == LateBudget(budget=0.001)

@@ -8,7 +8,7 @@ CommitProcessor adds summary entries and property updates to the checkpoint comm
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -76,6 +76,9 @@ class CommitContext:
     # the commit clock checked against the other writers' (streams.trusted_clock_us): what event times
     # are capped with; None: the commit clock
     trusted_clock_us: int | None = None
+    # records the checkpoints that landed but still wait for the late-data ledger (the writer records them in
+    # batches): called before a policy reads the ledger, so it learns from every checkpoint before this one
+    flush_ledger: Callable[[], None] | None = None
 
     @property
     def stream(self) -> str:

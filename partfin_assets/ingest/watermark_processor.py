@@ -252,6 +252,8 @@ class WatermarkProcessor(CommitProcessor):
         stored = policy.load_state(ctx.table.metadata.properties.get(policy.state_property))
 
         def ledger(columns, from_hour_us: int):
+            if ctx.flush_ledger is not None:
+                ctx.flush_ledger()
             return read_ledger(ctx.table.catalog, dotted_identifier(ctx.table), columns=columns,
                                row_filter=GreaterThanOrEqual("hour", from_us(from_hour_us).isoformat()))
 

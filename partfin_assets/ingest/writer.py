@@ -405,7 +405,8 @@ class CdcWriter:
         ctx = CommitContext(table, self.spec.name, staged.checkpoint_id, prepared.heartbeat_us, staged.accumulated, self.writer_id,
                             clock_us, stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=staged.arrival_max,
                             source_clock_us=source_clock, streams={**streams, **changed},
-                            idle_timeout_us=idle_timeout_us(properties), stream_clock_us=stream_clock.us, trusted_clock_us=trusted_us)
+                            idle_timeout_us=idle_timeout_us(properties), stream_clock_us=stream_clock.us, trusted_clock_us=trusted_us,
+                            flush_ledger=self._ledger.flush)
         for processor in self.processors:
             processor.pre_commit(ctx)
         staged.context = ctx

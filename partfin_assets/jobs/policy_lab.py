@@ -43,7 +43,11 @@ from partfin_assets.watermark.policy import LEARN_MATURITY_US
 from partfin_assets.watermark.registry import parse_policy, policy_for_budget
 from partfin_assets.watermark.step import advance, stream_progress, window_of
 
-SCENARIOS = ("steady", "outage", "idle", "bad-clocks")
+SCENARIOS = ("steady", "outage", "idle", "bad-clocks", "shift")
+# the `shift` scenario: a connector falls behind by 30 minutes (the body of the lateness, median 20 s, ~90x longer; its
+# tail as much later) over the middle half of the measured hours, then recovers
+SHIFT_LAG_S = 1800.0
+SHIFT_ONSET_HOURS = 2  # the phase a policy may need to see the shift: not held to the budget on its own
 DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
                     "percentile:0.001:last:30m")
 
@@ -69,6 +73,7 @@ class LabInput:
     measure_from_us: int
     measure_to_us: int
     description: str
+    phases: tuple[tuple[str, int, int], ...] = ()  # (name, first event hour, end): parts of the measured hours reported alone
 
 
 def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: float = 3.0, checkpoint_s: int = 60,
@@ -83,10 +88,14 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     measured hours still arrive. Scenarios: `outage` -- a shard with a quarter of the events delivers
     nothing for 90 minutes from the 5th measured hour on, then its backlog within 5 minutes; `idle` --
     no events for 4 hours from the 6th measured hour on (the source sends heartbeats); `bad-clocks` --
-    0.05 % of the events carry event times 2 days ahead.
+    0.05 % of the events carry event times 2 days ahead; `shift` -- a connector falls behind: the events of the
+    middle half of the measured hours (hours 4 to 11 of 16) arrive 30 minutes later, then it recovers; measured
+    per phase too (before, the shift's first two hours, the rest of the shift, after recovery).
     """
     if scenario not in SCENARIOS:
         raise InvalidInput(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
+    if hours < (4 if scenario == "shift" else 1):
+        raise InvalidInput(f"--hours {hours}: the {scenario} scenario measures at least {4 if scenario == 'shift' else 1} hour(s)")
     rng = np.random.default_rng(seed)
     measure_from = SIM_START_US + history_hours * US_PER_HOUR
     measure_to = measure_from + hours * US_PER_HOUR
@@ -99,6 +108,13 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     lateness_s = rng.lognormal(math.log(20.0), 0.8, event.size)
     tail = rng.random(event.size) < 0.015
     lateness_s[tail] = rng.uniform(0, 3 * 3600, int(tail.sum()))
+    phases: tuple[tuple[str, int, int], ...] = ()
+    if scenario == "shift":
+        shift_from, shift_to = measure_from + hours // 4 * US_PER_HOUR, measure_from + (hours - hours // 4) * US_PER_HOUR
+        onset_end = min(shift_from + SHIFT_ONSET_HOURS * US_PER_HOUR, shift_to)
+        phases = (("before", measure_from, shift_from), (f"shift, first {SHIFT_ONSET_HOURS} h", shift_from, onset_end),
+                  (f"shift, after {SHIFT_ONSET_HOURS} h", onset_end, shift_to), ("after recovery", shift_to, measure_to))
+        lateness_s[(event >= shift_from) & (event < shift_to)] += SHIFT_LAG_S
     arrival = event + (lateness_s * US_PER_SECOND).astype(np.int64)
     if scenario == "outage":
         down_from = measure_from + 5 * US_PER_HOUR
@@ -125,7 +141,7 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     rows = pl.from_arrow(pa.concat_tables(tables))
     assert isinstance(rows, pl.DataFrame)
     return LabInput(rows.select(LAB_COLUMNS), measure_from, measure_to, f"simulated {scenario}: {hours} h measured after "
-                    f"{history_hours} h of history, {rate:g} events/s, {checkpoint_s} s checkpoints, seed {seed}")
+                    f"{history_hours} h of history, {rate:g} events/s, {checkpoint_s} s checkpoints, seed {seed}", phases)
 
 
 def recorded(rows: pl.DataFrame, table: str) -> LabInput:
@@ -178,10 +194,22 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
     watermark = None
     clocks = np.empty(len(commits), dtype=np.int64)
     marks = np.empty(len(commits), dtype=np.int64)
+    # each ledger row's commit among `commits` (-1: none): the rows a learning policy reads carry the watermarks
+    # of this replay, as a writer's ledger carries its own
+    index = {c.snapshot_id: i for i, c in enumerate(commits)}
+    row_commit = np.array([index.get(s, -1) for s in rows["snapshot_id"].to_list()], dtype=np.int64)
+
+    def ledger(upto: int) -> pl.DataFrame:
+        known = (row_commit >= 0) & (row_commit < upto)
+        replayed = np.where(known, marks[np.where(known, row_commit, 0)], NO_WATERMARK)
+        series = pl.Series("watermark", replayed)
+        return rows.with_columns(pl.when(series != NO_WATERMARK).then(series).otherwise(None).cast(pl.Datetime("us", "UTC"))
+                                 .alias("watermark"))
+
     for i, (commit, stream) in enumerate(zip(commits, streams)):
         clock = commit.clock_us
         if policy.state_property is not None:
-            state, _ = policy.refresh_state(state, clock, lambda columns, from_hour_us: rows)  # the policy picks its hours
+            state, _ = policy.refresh_state(state, clock, lambda columns, from_hour_us: ledger(i))  # the policy picks its hours
         older = history.setdefault(stream, [])
         window = window_of(policy.window, [commit], reversed(older))[0] if policy.window_needed(state) else [commit]
         older.append(commit)
@@ -226,6 +254,7 @@ class Outcome:
     late_share: float  # of the measured hours' records
     median_lag_s: float  # inf when most measured hours never finalized
     oracle_lag_s: float
+    phase_shares: tuple[tuple[str, float], ...] = ()  # the late share of each phase of the measured hours
 
     @property
     def lag_ratio(self) -> float:
@@ -292,12 +321,13 @@ class Lab:
         before = np.searchsorted(run.clock_us, self.row_commit_us, side="left") - 1
         in_force = np.where(before >= 0, marks[np.maximum(before, 0)], NO_WATERMARK)
         late = self.measured & (self.hour_us + US_PER_HOUR <= in_force)
-        total = int(self.records[self.measured].sum())
-        share = float(self.records[late].sum()) / total if total else 0.0
+        share = _share(self.records, late, self.measured)
+        phases = tuple((name, _share(self.records, late, (self.hour_us >= start) & (self.hour_us < end)))
+                       for name, start, end in self.data.phases)
         at = np.searchsorted(marks, self.hours + US_PER_HOUR, side="left")
         final = np.where(at < marks.size, run.clock_us[np.minimum(at, marks.size - 1)], np.iinfo(np.int64).max)
         lags = np.where(at < marks.size, (final - (self.hours + US_PER_HOUR)) / US_PER_SECOND, math.inf)
-        return Outcome(name, share, float(np.median(lags)), self.oracle_lag_s)
+        return Outcome(name, share, float(np.median(lags)), self.oracle_lag_s, phases)
 
     def commits_for(self, text: str) -> list[CommitStats]:
         """The checkpoints as the policy reads them (with event-time digests for a percentile)."""
@@ -332,6 +362,11 @@ class Lab:
             else:
                 low = middle + 1
         return run(low * MINUTE_US)
+
+
+def _share(records: np.ndarray, late: np.ndarray, of: np.ndarray) -> float:
+    total = int(records[of].sum())
+    return float(records[late & of].sum()) / total if total else 0.0
 
 
 def measured_policy(catalog: Catalog, table: str) -> Outcome | None:
@@ -379,6 +414,12 @@ class LabReport:
         for o in self.baselines:
             lines.append(f"| {o.name} (tuned to {self.budget:.2%} late) | {o.late_share:.3%} | {_hours(o.median_lag_s)} | "
                          f"{_ratio(o.lag_ratio)} | | |")
+        phases = [name for name, _ in self.rows[0].outcome.phase_shares]
+        if phases:
+            lines += ["", "Late after finalization, per phase of the measured hours:", "",
+                      "| policy | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+            for o in [row.outcome for row in self.rows] + self.baselines:
+                lines.append(f"| `{o.name}` | " + " | ".join(f"{share:.3%}" for _, share in o.phase_shares) + " |")
         return "\n".join(lines)
 
 

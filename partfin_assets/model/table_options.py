@@ -52,7 +52,7 @@ class TableOption(Generic[T]):
 
 
 WATERMARK_POLICY = TableOption(
-    K.PROP_WATERMARK_POLICY, "watermark policy", "late-budget:0.001", "cdc.<t>",
+    K.PROP_WATERMARK_POLICY, "watermark policy", "late-budget:0.001:feedback", "cdc.<t>",
     "`partfin ingest --watermark-policy P`, or the declaration (`TableSpec.watermark_policy`, e.g. a Dagster table's): "
     "one that differs takes effect with the next writer, recorded as a policy change",
     "how the watermark follows the streams' event times ([watermarks](watermarks.md))", policy_text)

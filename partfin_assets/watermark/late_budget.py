@@ -2,10 +2,13 @@
 delay after which, by the table's recorded lateness, at most a share b of an hour's records would still arrive
 (`learn_delay`). Its state: the delay learned, persisted in `partfin.watermark.late-budget` and learned again from
 the late-data ledger every LEARN_REFRESH; until the ledger holds enough mature history it runs as min-of-last over
-its fallback window."""
+its fallback window. `late-budget:b` (canonically `late-budget:b:feedback`) adds the feedback term of feedback.py: the
+delay widens at once when the hours it finalized recently had more late records than the budget allows, and narrows
+back slowly; `late-budget:b:open-loop` is the learned delay alone (what `late-budget:b` was before)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,12 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from partfin_assets.iceberg.ledger import REPLAY_STREAM
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.stats import CommitStats, CommitWindow, compact_json
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us
+from partfin_assets.watermark.feedback import Arrivals, Correction, corrected, finalized_at
 from partfin_assets.watermark.policy import LEARN_MATURITY_US, LedgerRows, PolicyError, WatermarkPolicy, min_low_us
 
 LATE_BUDGET = "late-budget"
+FEEDBACK, OPEN_LOOP = "feedback", "open-loop"  # its variants: the learned delay corrected by feedback (default), or alone
 # what it runs as until the table's ledger holds enough mature history to learn from
 BUDGET_FALLBACK_WINDOW = CommitWindow(span_us=30 * 60 * US_PER_SECOND)
 LEARN_HISTORY_US = 7 * 24 * US_PER_HOUR  # lateness is learned from at most this long before LEARN_MATURITY
@@ -29,7 +35,7 @@ LEARN_REFRESH_US = 15 * 60 * US_PER_SECOND  # the learned delay is recomputed fr
 LEARN_RETRY_US = 10 * US_PER_SECOND
 LEARN_STEP_S = 60  # the delay is learned on a one-minute grid
 LEARN_MAX_DELAY_S = 48 * 3600
-LEARN_COLUMNS = ("hour", "records", "commit_time", "lateness_digest")
+LEARN_COLUMNS = ("hour", "records", "commit_time", "lateness_digest", "watermark", "stream")
 
 
 @dataclass(frozen=True)
@@ -37,15 +43,26 @@ class LearnedDelay:
     delay_us: int | None  # None: too little mature history yet (the fallback window runs)
     records: int  # records of the mature hours it was learned from
     learned_at_us: int
+    correction: Correction = Correction()  # the feedback's (none: open loop, or a state recorded before it existed)
+
+    @property
+    def in_force_us(self) -> int | None:
+        """The delay the candidate runs with: learned, plus the feedback's correction."""
+        return None if self.delay_us is None else self.delay_us + self.correction.delay_us
 
     def to_json(self) -> dict:
+        c = self.correction
         return {"delay-s": None if self.delay_us is None else self.delay_us / US_PER_SECOND, "records": self.records,
-                "learned-at-us": self.learned_at_us}
+                "learned-at-us": self.learned_at_us, "correction-s": c.delay_us / US_PER_SECOND, "widened-at-us": c.widened_at_us,
+                "changes": [[mark, delay / US_PER_SECOND] for mark, delay in c.changes]}
 
     @classmethod
     def from_json(cls, entry: dict) -> LearnedDelay:
         delay = entry.get("delay-s")
-        return cls(None if delay is None else int(round(delay * US_PER_SECOND)), int(entry["records"]), int(entry["learned-at-us"]))
+        correction = Correction(int(round(entry.get("correction-s", 0) * US_PER_SECOND)), entry.get("widened-at-us"),
+                                tuple((int(mark), int(round(delay * US_PER_SECOND))) for mark, delay in entry.get("changes", [])))
+        return cls(None if delay is None else int(round(delay * US_PER_SECOND)), int(entry["records"]), int(entry["learned-at-us"]),
+                   correction)
 
     def stale(self, clock_us: int) -> bool:
         refresh = LEARN_REFRESH_US if self.delay_us is not None else LEARN_RETRY_US
@@ -55,9 +72,10 @@ class LearnedDelay:
 @dataclass(frozen=True)
 class LateBudget(WatermarkPolicy):
     budget: float  # share of records accepted arriving after finalization
+    feedback: bool = True  # whether the late records it observed correct the learned delay (feedback.py)
 
     kind = LATE_BUDGET
-    forms = "'late-budget:b'"
+    forms = "'late-budget:b' (or ':feedback', ':open-loop')"
     state_property = K.PROP_LATE_BUDGET_LEARNED
 
     @property
@@ -66,16 +84,16 @@ class LateBudget(WatermarkPolicy):
 
     @classmethod
     def from_args(cls, args: list[str]) -> LateBudget:
-        if len(args) != 1:
+        if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in (FEEDBACK, OPEN_LOOP)):
             raise PolicyError("unknown form")
-        return cls(budget=float(args[0]))
+        return cls(budget=float(args[0]), feedback=len(args) == 1 or args[1] == FEEDBACK)
 
     def check(self, text: str) -> None:
         if not 0.0 < self.budget < 1.0:
             raise PolicyError(f"watermark policy {text!r}: b must be in (0, 1)")
 
     def __str__(self) -> str:
-        return f"{LATE_BUDGET}:{self.budget:g}"
+        return f"{LATE_BUDGET}:{self.budget:g}:{FEEDBACK if self.feedback else OPEN_LOOP}"
 
     def load_state(self, stored: str | None) -> LearnedDelay | None:
         entry = json.loads(stored) if stored else None
@@ -85,7 +103,12 @@ class LateBudget(WatermarkPolicy):
         if state is not None and not state.stale(clock_us):
             return state, None
         since = floor_hour_us(clock_us - LEARN_MATURITY_US - LEARN_HISTORY_US - US_PER_HOUR)
-        learned = learn_delay(ledger(LEARN_COLUMNS, since), self.budget, clock_us)
+        rows = ledger(LEARN_COLUMNS, since)
+        learned = learn_delay(rows, self.budget, clock_us)
+        if self.feedback and learned.delay_us is not None:
+            arrivals, watermark = recent_arrivals(rows, clock_us)
+            before = state.correction if state is not None else Correction()
+            learned = dataclasses.replace(learned, correction=corrected(before, arrivals, self.budget, clock_us, watermark))
         return learned, compact_json({"budget": self.budget, **learned.to_json()})
 
     def learning(self, state: LearnedDelay | None) -> bool:
@@ -96,7 +119,9 @@ class LateBudget(WatermarkPolicy):
 
     def candidate_us(self, window: Sequence[CommitStats], state: LearnedDelay | None = None) -> int | None:
         """From the commit being made and the learned delay; without one (too little history yet) as
-        min-of-last over its fallback window."""
+        min-of-last over its fallback window. `late-budget:b` (canonically `late-budget:b:feedback`) adds the feedback term of feedback.py: the
+delay widens at once when the hours it finalized recently had more late records than the budget allows, and narrows
+back slowly; `late-budget:b:open-loop` is the learned delay alone (what `late-budget:b` was before)."""
         if not window:
             return None
         if state is None or state.delay_us is None:
@@ -105,10 +130,27 @@ class LateBudget(WatermarkPolicy):
         arrival = this.arrival_us if this.arrival_us is not None else this.clock_us
         if arrival is None:
             return None
-        reach = arrival - state.delay_us
+        reach = arrival - (state.in_force_us if self.feedback else state.delay_us)  # open loop: a correction recorded before unused
         if this.high_us is not None:  # a backlog still being delivered: never past what it delivered
             reach = min(reach, this.high_us)
         return floor_hour_us(reach)
+
+
+def recent_arrivals(rows: pl.DataFrame, now_us: int) -> tuple[Arrivals, int | None]:
+    """The ledger rows committed before `now_us` as the feedback judges them (the records of hour replays are an
+    operator's, not lateness: left out), and the table's watermark as of the last of them."""
+    before = rows.filter(_epoch_us(rows["commit_time"]) < now_us)
+    commit = _epoch_us(before["commit_time"]).to_numpy()
+    marks = _epoch_us(before["watermark"]).fill_null(np.iinfo(np.int64).min).to_numpy()
+    data = before["hour"].is_not_null() & (before["stream"] != REPLAY_STREAM)
+    hour = _epoch_us(before["hour"].filter(data)).to_numpy()
+    final = finalized_at(hour, commit, marks)
+    watermark = int(marks.max()) if marks.size and marks.max() > np.iinfo(np.int64).min else None
+    return Arrivals(hour, commit[data.to_numpy()], before["records"].filter(data).to_numpy(), final), watermark
+
+
+def _epoch_us(column: pl.Series) -> pl.Series:
+    return column.dt.epoch("us") if column.dtype != pl.Int64 else column
 
 
 def learn_delay(rows: pl.DataFrame, budget: float, now_us: int) -> LearnedDelay:
@@ -124,8 +166,7 @@ def learn_delay(rows: pl.DataFrame, budget: float, now_us: int) -> LearnedDelay:
     must stay within the budget. Needs 10 / budget records: fewer, and the delay is None.
     Lateness digests' centroids are read as point masses (their tail centroids are single values).
     """
-    hour_us = rows["hour"].dt.epoch("us") if rows["hour"].dtype != pl.Int64 else rows["hour"]
-    commit_us = rows["commit_time"].dt.epoch("us") if rows["commit_time"].dtype != pl.Int64 else rows["commit_time"]
+    hour_us, commit_us = _epoch_us(rows["hour"]), _epoch_us(rows["commit_time"])
     end = now_us - LEARN_MATURITY_US
     mature = rows.filter(
         (hour_us + US_PER_HOUR <= end) & (hour_us + US_PER_HOUR > end - LEARN_HISTORY_US) & (commit_us < now_us)
