@@ -27,7 +27,7 @@ from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
 from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table, load_partfin_catalog, load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention
 from partfin_assets.iceberg.ledger import read_ledger
-from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
+from partfin_assets.iceberg.streams import check_writer_id, idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.ingest.session import IngestSession, check_declaration, resolve_spec
 from partfin_assets.ingest.writer import DEFAULT_COMMIT_INTERVAL_S, CheckpointResult
 from partfin_assets.jobs import compaction
@@ -44,6 +44,7 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.display_text import terminal_text
 from partfin_assets.model.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, InvalidInput, PartfinError, environment_failure, first_line
 from partfin_assets.model.faults import install_faults
+from partfin_assets.model.record_keys import key_from_json
 from partfin_assets.model.redaction import redact
 from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.tablespec import DEFAULT_WATERMARK_POLICY, check_table_name
@@ -70,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="how long the checkpoints of a partitioned source's partitions (Kafka) may wait to land in one "
                         f"commit, e.g. 5s (default {DEFAULT_COMMIT_INTERVAL_S:g}s; 0: a commit per checkpoint)")
     ingest.add_argument("--subtasks", type=_option(_at_least_one), default=1, help="parallel writer subtasks (default 1)")
-    ingest.add_argument("--writer-id", help="writer identity (default <table>-writer)")
+    ingest.add_argument("--writer-id", type=_option(check_writer_id),
+                        help="writer identity (default <table>-writer): letters, digits, '.', '_', '-'; not partfin.*")
     ingest.add_argument("--max-checkpoints", type=_option(_at_least_one), help="stop after this many checkpoints")
     ingest.add_argument("--follow", action="store_true", help="keep reading when the source is exhausted")
     ingest.add_argument("--watermark-policy", help="the table's watermark policy, e.g. min-of-last:30m (default for new tables: "
@@ -400,15 +402,7 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _privacy_delete(args: argparse.Namespace) -> int:
-    keys = []
-    for text in args.keys:
-        try:
-            key = json.loads(text)
-        except json.JSONDecodeError:
-            key = None
-        if not isinstance(key, dict) or not key:
-            raise InvalidInput(f"--key {text!r} is not a JSON object naming the primary key, e.g. '{{\"id\": 42}}'")
-        keys.append(key)
+    keys = [key_from_json(text, f"--key #{i}") for i, text in enumerate(args.keys, 1)]
     if not args.request_id.strip():
         raise InvalidInput("--request-id must not be blank")
     catalog = _existing_catalog()

@@ -218,12 +218,40 @@ def test_messages_are_checked_against_the_declaration():
 
 def test_schemaless_messages_are_typed_by_the_declaration():
     declared = {"id": pa.int64(), "total": pa.decimal128(10, 2), "score": pa.float32(), "at": pa.timestamp("us")}
-    decoder = DebeziumJsonDecoder("t", ("id",), declared)
+    decoder = DebeziumJsonDecoder("t", ("id",), declared, decimal_encodings={"total": "numeric"})
     line = '{"op":"u","after":{"id":1,"total":7.5,"score":NaN,"at":"2024-05-01T12:00:00.5","more":1.10},"source":{"ts_ms":%d}}' % TS_MS
     payload = json.loads(decoder.decode(line).payload)
     assert payload == {"id": 1, "total": "7.50", "score": "NaN", "at": "2024-05-01T12:00:00.500000", "more": "1.10"}
-    with pytest.raises(RejectedMessage, match="column 'total'"):
-        decoder.decode(line.replace("7.5", '"abc"'))
+    assert json.loads(decoder.decode(line.replace("7.5", '"-0.5e1"')).payload)["total"] == "-5.00"
+    for bad in ('"abc"', '"NaN"', '" 7.5"', '"MDk="'):
+        with pytest.raises(RejectedMessage, match="column 'total': .* is not decimal text"):
+            decoder.decode(line.replace("7.5", bad))
+    in_base64 = DebeziumJsonDecoder("t", ("id",), declared)  # the default: a Connect Decimal's bytes
+    assert json.loads(in_base64.decode(line.replace("7.5", '"MDk="')).payload)["total"] == "123.45"
+    for bad, reason in (("7.5", r"a JSON number \(7.5\) is not base64"), ('"7.5"', "'7.5' is not base64"), ('""', "empty")):
+        with pytest.raises(RejectedMessage, match=f"column 'total': {reason}"):
+            in_base64.decode(line.replace("7.5", bad))
+
+
+def test_a_decimal_encoding_is_part_of_the_declared_column_type():
+    from partfin_assets.model.errors import InvalidInput
+    from partfin_assets.model.tablespec import TableSpec
+
+    spec = TableSpec("t", ("id",), {"id": pa.int64(), "a": pa.decimal128(12, 2), "b": pa.decimal128(5, 0)},
+                     decimal_encodings={"a": "numeric"})
+    properties = spec.to_properties()
+    assert json.loads(properties["partfin.columns"]) == {"id": "int64", "a": "decimal128(12, 2) numeric", "b": "decimal128(5, 0)"}
+    assert TableSpec.from_properties("t", properties) == spec
+    explicit = {**properties, "partfin.columns": '{"id":"int64","b":"decimal128(5, 0) base64"}'}
+    assert TableSpec.from_properties("t", explicit).decimal_encodings == {"b": "base64"}
+    for columns, encodings, reason in (
+        ({"id": pa.int64()}, {"id": "numeric"}, "is not a declared decimal"),
+        ({"id": pa.int64(), "a": pa.decimal128(3, 1)}, {"a": "text"}, "is not one of base64, numeric"),
+    ):
+        with pytest.raises(InvalidInput, match=reason):
+            TableSpec("t", ("id",), columns, decimal_encodings=encodings)
+    with pytest.raises(InvalidInput, match="only a decimal has an encoding"):
+        TableSpec.from_properties("t", {**properties, "partfin.columns": '{"id":"int64 numeric"}'})
 
 
 # --------------------------------------------------------------------------- through the CLI: the types the corpus lacks
@@ -290,3 +318,97 @@ def test_types_the_corpus_lacks_land_in_base_through_the_cli(tmp_path):
         assert types[name] == iceberg_type, (name, types[name])
         got = rows[3][name]
         assert (repr(got) if isinstance(got, float) else got) == value, (name, got)
+
+
+# --------------------------------------------------------------------------- through the CLI: decimals without a schema block
+
+AMOUNT = {"id": {"type": "int64", "optional": False}, "amount": decimal_field(2, 12)}
+
+
+def schemaless_line(key: int, amount_json: str) -> str:
+    """A change without its schema block (JsonConverter with schemas.enable=false); `amount_json` is written verbatim."""
+    return '{"before":null,"after":{"id":%d,"amount":%s},"source":{"ts_ms":%d},"op":"c","ts_ms":%d}' % (
+        key, amount_json, TS_MS + key * 1000, TS_MS + key * 1000)
+
+
+def ingested_amounts(home, table: str, lines: list[str]) -> tuple[dict, dict, dict]:
+    """`partfin ingest` + `partfin upsert` of `lines`: base's amounts by id, the rejected reasons by line, the declaration."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets_tests.test_cli import partfin
+
+    path = home / f"{table}.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    ingest = partfin(home, "ingest", "--table", table, "--source", f"debezium:{path}", "--primary-key", "id")
+    upsert = partfin(home, "upsert", "--table", table)
+    assert ingest.returncode == 0 and upsert.returncode == 0, (ingest.stderr, upsert.stderr)
+    catalog = load_partfin_catalog(home)
+    rows = catalog.load_table(f"base.{table}").scan().to_arrow().to_pylist()
+    rejected = catalog.load_table(f"cdc.{table}__rejected").scan().to_arrow().to_pylist()
+    declared = json.loads(catalog.load_table(f"cdc.{table}").properties["partfin.columns"])
+    return {r["id"]: r["amount"] for r in rows if not r[DELETED]}, {r["source_seq"]: r["reason"] for r in rejected}, declared
+
+
+def test_schemaless_decimals_are_read_in_the_declared_base64_encoding_never_as_numbers(tmp_path):
+    """A table declared from a Connect Decimal sent as base64 (JsonConverter's default decimal.format=BASE64):
+    lines without a schema block carry the same base64 bytes, also when their text looks like a number
+    ("1234" is -26588.24, never 1234.00; "NaN1" is +35152.53); a value that is not base64 (decimal text, a
+    JSON number) fits no declared encoding and is rejected with its reason."""
+    lines = [
+        change_line({"id": 1, "amount": unscaled_base64(12345)}, TS_MS, fields=AMOUNT),
+        schemaless_line(2, '"1234"'),
+        schemaless_line(3, '"0000"'),
+        schemaless_line(4, '"NaN1"'),
+        schemaless_line(5, '"12.34"'),
+        schemaless_line(6, "12.5"),
+        schemaless_line(7, '""'),
+    ]
+    amounts, rejected, declared = ingested_amounts(tmp_path, "dec_b64", lines)
+    assert declared["amount"] == "decimal128(12, 2)"  # no encoding written: the default, base64
+    assert amounts == {1: Decimal("123.45"), 2: Decimal("-26588.24"), 3: Decimal("-29293.56"), 4: Decimal("35152.53")}
+    assert sorted(rejected) == [5, 6, 7]
+    assert "column 'amount'" in rejected[5] and "'12.34' is not base64" in rejected[5], rejected[5]
+    assert "column 'amount'" in rejected[6] and "a JSON number (12.5)" in rejected[6] and "base64" in rejected[6], rejected[6]
+    assert "column 'amount'" in rejected[7] and "empty" in rejected[7], rejected[7]
+
+
+def test_schemaless_decimals_are_read_as_numbers_in_a_table_that_recorded_the_numeric_encoding(tmp_path):
+    """A table declared from a Connect Decimal sent as a JSON number (decimal.format=NUMERIC) records the numeric
+    encoding on first sight: later lines without a schema block are read as the number they spell ("1234" is
+    1234.00), and base64 bytes or text that is no decimal ("NaN1") are rejected with their reason."""
+    lines = [
+        change_line({"id": 1, "amount": "123.45"}, TS_MS, fields=AMOUNT).replace('"123.45"', "123.45"),
+        schemaless_line(2, '"1234"'),
+        schemaless_line(3, '"0000"'),
+        schemaless_line(4, "7.5"),
+        schemaless_line(5, '"NaN1"'),
+        schemaless_line(6, '"MDk="'),
+        schemaless_line(7, '"1_000"'),
+    ]
+    amounts, rejected, declared = ingested_amounts(tmp_path, "dec_num", lines)
+    assert declared["amount"] == "decimal128(12, 2) numeric"
+    assert amounts == {1: Decimal("123.45"), 2: Decimal("1234.00"), 3: Decimal("0.00"), 4: Decimal("7.50")}
+    assert sorted(rejected) == [5, 6, 7]
+    for seq, text in ((5, "'NaN1'"), (6, "'MDk='"), (7, "'1_000'")):
+        assert "column 'amount'" in rejected[seq] and f"{text} is not decimal text" in rejected[seq], rejected[seq]
+
+
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_the_change_and_resume_keeps_its_place(tmp_path):
+    """A file written with a UTF-8 byte-order mark (Windows tools do): its first change is ingested like the others,
+    and a run stopped after it resumes at the right byte (offsets count the mark's three bytes)."""
+    from partfin_assets.iceberg.catalog import load_partfin_catalog
+    from partfin_assets_tests.test_cli import partfin
+
+    lines = [change_line({"id": key, "amount": unscaled_base64(key * 100)}, TS_MS + key * 1000, fields=AMOUNT) for key in (1, 2, 3)]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\n" for line in lines).encode())
+    args = ("ingest", "--table", "bom", "--source", f"debezium:{path}", "--primary-key", "id", "--checkpoint-records", "1")
+    first = partfin(tmp_path, *args, "--max-checkpoints", "1")
+    rest = partfin(tmp_path, *args)
+    assert first.returncode == 0 and rest.returncode == 0, (first.stderr, rest.stderr)
+    catalog = load_partfin_catalog(tmp_path)
+    assert catalog.load_table("cdc.bom__rejected").scan().to_arrow().num_rows == 0
+    cdc = catalog.load_table("cdc.bom").scan().to_arrow().to_pylist()
+    assert sorted((json.loads(r["payload"])["id"], r["source_seq"]) for r in cdc) == [(1, 1), (2, 2), (3, 3)]
+    summaries = [s.summary.additional_properties for s in catalog.load_table("cdc.bom").snapshots()]
+    offsets = [json.loads(summary["partfin.source-offset"]) for summary in summaries if "partfin.source-offset" in summary]
+    assert offsets[0]["byte"] == 3 + len(lines[0]) + 1 and offsets[-1]["byte"] == path.stat().st_size, offsets

@@ -487,3 +487,27 @@ def test_real_debezium_output_decodes_the_same_from_kafka_as_from_a_file(tmp_pat
     # with the schema envelope, through `partfin upsert`: the rows the corpus expects, value by value
     differences = base_differences(tmp_path / "kafka-envelope", "mysql_all_types")
     assert not differences, "\n".join(differences)
+
+
+def test_a_topic_declares_the_decimal_encoding_it_sent_and_reads_schemaless_messages_in_it(tmp_path, kafka_cluster):
+    """The first run on a topic whose Connect Decimal comes as a JSON number (decimal.format=NUMERIC) records the
+    column as `numeric`; after the connector drops its schemas (schemas.enable=false), "1234" is 1234.00 and base64
+    bytes are rejected with their reason, never read as another number."""
+    from partfin_assets_tests.test_debezium_json import AMOUNT, TS_MS, schemaless_line
+    from partfin_assets_tests.debezium_lines import change_line
+
+    kafka_cluster.create_topic(TOPIC, 1)
+    spec = kafka_spec(kafka_cluster)
+    home = tmp_path / "home"
+    first = change_line({"id": 1, "amount": "123.45"}, TS_MS, fields=AMOUNT).replace('"123.45"', "123.45")
+    produce(kafka_cluster, TOPIC, [dbz.DebeziumMessage(b"{}", first.encode(), TS_MS)])
+    run_ingest(home, spec)
+    catalog = load_partfin_catalog(home)
+    assert json.loads(catalog.load_table("cdc.orders").properties[K.PROP_COLUMNS])["amount"] == "decimal128(12, 2) numeric"
+    later = [schemaless_line(2, '"1234"'), schemaless_line(3, "7.5"), schemaless_line(4, '"MDk="')]
+    produce(kafka_cluster, TOPIC, [dbz.DebeziumMessage(b"{}", line.encode(), TS_MS) for line in later])
+    run_ingest(home, spec)
+    amounts = {json.loads(p)["id"]: json.loads(p)["amount"] for p in cdc_rows(home).column("payload").to_pylist()}
+    assert amounts == {1: "123.45", 2: "1234.00", 3: "7.50"}
+    rejected = load_partfin_catalog(home).load_table("cdc.orders__rejected").scan().to_arrow().to_pylist()
+    assert [(r["source_seq"], "'MDk=' is not decimal text" in r["reason"]) for r in rejected] == [(3, True)], rejected

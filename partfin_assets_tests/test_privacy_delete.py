@@ -16,6 +16,7 @@ from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.privacy import base_key_filter, cdc_key_filter, delete_where, privacy_delete
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
@@ -161,8 +162,8 @@ def test_base_key_filter_matches_exactly(loaded):
     _, mask = base_key_filter(spec, [{"id": 2}, {"id": 9}])
     data = read_base(loaded, "orders")
     assert sorted(data.filter(mask(data)).column("id").to_pylist()) == [2, 9]
-    with pytest.raises(ValueError):
-        base_key_filter(spec, [{"nope": 1}])
+    with pytest.raises(InvalidInput, match="primary key"):  # refused before anything is read or written
+        privacy_delete(loaded, "orders", [{"nope": 1}])
     assert pc.sum(mask(data)).as_py() == 2
 
 

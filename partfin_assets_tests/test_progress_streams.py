@@ -95,24 +95,25 @@ def test_streams_are_listed_retired_by_the_cli_and_a_retired_stream_lets_the_wat
 def test_a_registered_writer_holds_the_watermark_until_it_commits_and_an_idle_one_stops_holding_it(catalog):
     from datetime import timedelta
 
-    from partfin_assets.iceberg.streams import set_idle_timeout
+    from partfin_assets.iceberg.streams import SteadyReading, set_idle_timeout
     from partfin_assets.ingest.writer import CdcWriter
     from partfin_assets.model import summary_keys as K
     from partfin_assets.model.timeutil import from_us, iso_z
     from partfin_assets_tests.conftest import HOUR_US, MINUTE_US, ORDERS, T0_US, change_batch
 
-    now = [T0_US + 30 * HOUR_US]  # the writers' commit clock, moved by the test
+    now = [T0_US + 30 * HOUR_US]  # the writers' commit clock, and their host's monotonic clock, moved by the test
     clock = lambda: from_us(now[0])  # noqa: E731
+    steady = lambda: SteadyReading("host", now[0])  # noqa: E731
 
     def hours(first: int, last: int, n: int = 60):
         return [T0_US + first * HOUR_US + i * (last - first) * HOUR_US // n for i in range(n)]
 
-    fast = CdcWriter(catalog, ORDERS, writer_id="fast", clock=clock)
+    fast = CdcWriter(catalog, ORDERS, writer_id="fast", clock=clock, steady_clock=steady)
     for i in range(3):
         fast.write_checkpoint(change_batch(hours(10 + i, 11 + i), offset=f"f{i}"))
     assert catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK] == iso_z(T0_US + 10 * HOUR_US)
 
-    slow = CdcWriter(catalog, ORDERS, writer_id="slow", clock=clock)  # registered: claims nothing yet
+    slow = CdcWriter(catalog, ORDERS, writer_id="slow", clock=clock, steady_clock=steady)  # registered: claims nothing yet
     fast.write_checkpoint(change_batch(hours(13, 14), offset="f3"))
     assert catalog.load_table("cdc.orders").properties[K.PROP_WATERMARK] == iso_z(T0_US + 10 * HOUR_US)
     slow.write_checkpoint(change_batch(hours(11, 12), offset="s0"))  # its own window: 11:00

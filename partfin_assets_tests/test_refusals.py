@@ -3,6 +3,7 @@
 - names partfin's companion tables use (`t__ledger`, `t__rejected`) and names that are no identifier (`a.b`);
 - a table whose current metadata file is missing: one line naming the file, every other table works on;
 - options and sources refused before anything is created (no catalog.db either), `status` where nothing is;
+- writer ids partfin cannot use (its own streams' `partfin.` names, a newline, a `/`) and such stream names to retire;
 - a locked catalog, a full disk, a read-only warehouse: one line, exit 75 (try again), exact after a re-run;
 - a Debezium file whose last line has no trailing newline: read when the run ends (the file is complete).
 """
@@ -13,6 +14,7 @@ import json
 import re
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -126,6 +128,10 @@ def refusals(tmp_path: Path) -> dict[tuple[str, ...], str]:
         ("late-data", "ack", "--table", "orders", "--hour", "2026-12-03-06:30", "--reason", "r"): "'2026-12-03-06:30' is not on the hour",
         ("late-data", "ack", "--table", "orders", "--hour", "bogus", "--reason", "r"): "--hour: not a time: 'bogus'",
         ("late-data", "ack", "--table", "orders", "--all", "--reason", "r", "--by", ""): "--by: who acknowledges may not be blank",
+        # writer ids: partfin's own stream (the ledger's replays: accepted, it lost most of that writer's records), a
+        # newline (it split `partfin streams list`), the partition-stream separator, nothing
+        **{("ingest", "--table", "orders", "--source", SYNTHETIC, "--writer-id", writer): f"--writer-id: writer id {writer!r} is not one"
+           for writer in ("partfin.replay", "Partfin.anything", "ops\nteam", "ops/orders-0", "ops team", "", "_a", "x" * 129)},
     }
 
 
@@ -151,6 +157,9 @@ def test_refusals_on_an_existing_catalog_create_no_table(tmp_path):
     cases = {
         ("streams", "retire", "--table", "nosuch", "--stream", "w"): "table cdc.nosuch does not exist",
         ("streams", "idle-timeout", "--table", "nosuch", "10m"): "table cdc.nosuch does not exist",
+        ("streams", "retire", "--table", "orders", "--stream", "orders-writer\n"): "stream 'orders-writer\\n' is not one partfin names",
+        ("streams", "retire", "--table", "orders", "--stream", "partfin.replay"): "stream 'partfin.replay' is not one partfin names",
+        ("streams", "retire", "--table", "orders", "--stream", "other/t-0"): "has no stream 'other/t-0'",
         **{args: expected for args, expected in refusals(tmp_path).items() if "no partfin catalog" not in expected},
     }
     for args, expected in cases.items():
@@ -167,14 +176,20 @@ def test_a_locked_catalog_is_one_line_and_exit_75_and_a_re_run_is_exact(tmp_path
     assert partfin(tmp_path, *args).returncode == 0
     more = ("ingest", "--table", "orders", "--source", MORE)
     lock = sqlite3.connect(tmp_path / "catalog.db", isolation_level=None)
-    lock.execute("BEGIN EXCLUSIVE")  # another process holding the catalog database
+    lock.execute("BEGIN EXCLUSIVE")  # another process holding the catalog database, longer than partfin waits for it
     try:
-        locked = partfin(tmp_path, *more)
+        started = time.monotonic()
+        locked = partfin(tmp_path, *more, env_extra={"PARTFIN_CATALOG_LOCK_WAIT": "8"})
+        waited = time.monotonic() - started
     finally:
         lock.execute("ROLLBACK")
         lock.close()
-    print(f"\nlocked: exit {locked.returncode}: {locked.stderr.strip().splitlines()[-1:]}")
-    one_line_refusal(locked, "the catalog database is locked by another process", code=75)
+    print(f"\nlocked: exit {locked.returncode} after {waited:.0f} s: {locked.stderr.strip().splitlines()[-1:]}")
+    waiting, *error = locked.stderr.strip().splitlines()
+    assert "the catalog database is locked by another process: waiting for it (up to 8 s" in waiting, locked.stderr
+    assert waited >= 8  # it waited for the lock (the bound) before it gave up
+    one_line_refusal(subprocess.CompletedProcess(locked.args, locked.returncode, "", "\n".join(error)),
+                     "the catalog database is locked by another process", code=75)
     assert partfin(tmp_path, *more).returncode == 0
     assert_exact(tmp_path, MORE, tmp_path / "reference")
 

@@ -83,6 +83,32 @@ def test_cli_error_and_logs_never_show_a_planted_secret(tmp_path, env, command):
     assert result.stderr.strip().splitlines()[-1].startswith("partfin: error: "), output
 
 
+# A Kafka property whose name says its value is a secret (a password, passphrase, secret, credentials or private key
+# material), whatever librdkafka calls it: refused in the spec (it is recorded and shown), named with the variable to use.
+SECRET_KAFKA_PROPERTIES = [
+    "sasl.password",
+    "ssl.key.password",
+    "sasl.oauthbearer.client.secret",
+    "sasl.oauthbearer.assertion.private.key.passphrase",
+    "sasl.oauthbearer.assertion.private.key.pem",
+    "ssl.keystore.password",
+    "some.future.credentials",
+    "https.client.private.key",
+]
+
+
+@pytest.mark.parametrize("name", SECRET_KAFKA_PROPERTIES)
+def test_a_kafka_property_naming_a_secret_is_refused_in_the_source_spec(tmp_path, name):
+    source = f"kafka:127.0.0.1:1#dbserver1.public.orders,{name}={SECRET}"
+    result = partfin(tmp_path, "ingest", "--table", "orders", "--source", source, "--primary-key", "id", timeout=120)
+    variable = "PARTFIN_KAFKA_" + name.replace(".", "_").upper()
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"partfin: error: kafka property {name} is a secret: not in the source spec (it is recorded and shown), "
+        f"but in the environment as {variable}"
+    ], result.stderr
+    assert not leaks(result.stdout + result.stderr)
+
+
 # --------------------------------------------------------------------------- Dagster: UI snapshot and run logs
 
 

@@ -362,7 +362,7 @@ def test_debezium_without_schema_block_normalizes_by_the_spec(tmp_path):
         tmp_path / "t.jsonl",
         [
             change("c", {"id": 1, "total": "MDk=", "due": 19844, "paid_at": 1714566896789123}),
-            change("u", {"id": 1, "total": 7.5, "due": "2024-05-02", "paid_at": "2024-05-01T14:00:00+02:00"}),
+            change("u", {"id": 1, "total": "Au4=", "due": "2024-05-02", "paid_at": "2024-05-01T14:00:00+02:00"}),  # 7.50 as base64
         ],
     )
     source = DebeziumFileSource(path, spec=spec)

@@ -88,6 +88,10 @@ def _new_tags(table: Table, finalizations: Iterable[Finalization]) -> list[Final
     tags = finalized_tags(table)
     new: list[FinalizedTag] = []
     for f in finalizations:
+        if table.metadata.snapshot_by_id(f.snapshot_id) is None:
+            # expired before it could be tagged (maintenance beside the sensor): nothing left to point at
+            log.warning("%s: snapshot %s of %s expired before it was tagged", ".".join(table.name()), f.snapshot_id, tag_name(f.hour_us))
+            continue
         of_hour = [t for t in tags if t.hour_us == f.hour_us]
         if any(t.snapshot_id == f.snapshot_id for t in of_hour):
             continue  # tagged already (a repeated tick)

@@ -12,12 +12,20 @@ writes creates the default catalog (`load(create=True)`); any other finds there 
 
 A table whose current metadata file is missing cannot be loaded: BrokenTable, one line naming
 the file, for that table alone (SqlCatalog otherwise raises a bare FileNotFoundError).
+
+A catalog database another process holds locked (SQLite: a writer frozen inside its commit) is waited for, with a
+log line, up to PARTFIN_CATALOG_LOCK_WAIT (60 s); then the lock error ends the command (exit 75). A commit that
+applied to the metadata it was built on but not to the current one (a concurrent expiry removed a snapshot it
+names) is a lost compare-and-set: CommitFailedException, retried like any other.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,18 +33,22 @@ from pathlib import Path
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.catalog.sql import SqlCatalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.table import CommitTableResponse, StagedTable, Table
 from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import event
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from partfin_assets.iceberg.commit import updated_metadata
 from partfin_assets.model.errors import BrokenTable, PartfinConfigError, first_line, one_line
+from partfin_assets.model.faults import faults
 from partfin_assets.model.redaction import redact, secrets_redacted
 from partfin_assets.model.settings import Settings
 
 CATALOG_NAME = "partfin"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class CatalogConfig:
     home: Path
     uri: str | None = None  # SQLAlchemy URI for the SqlCatalog
     named: str | None = None  # a PyIceberg catalog name
+    lock_wait_s: float = Settings.catalog_lock_wait_s  # how long to wait for a catalog database another process locked
 
     @classmethod
     def from_env(cls, home: str | os.PathLike | None = None) -> CatalogConfig:
@@ -52,6 +65,7 @@ class CatalogConfig:
             home=Path(home or settings.home or ".partfin").absolute(),
             uri=settings.catalog_uri,
             named=settings.catalog_name,
+            lock_wait_s=settings.catalog_lock_wait_s,
         )
 
     @property
@@ -113,7 +127,7 @@ class CatalogConfig:
         attempts = 0
         while True:
             try:
-                return _PartfinSqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse)
+                return _PartfinSqlCatalog(CATALOG_NAME, uri=self.sql_uri, warehouse=self.warehouse, lock_wait_s=self.lock_wait_s)
             except SQLAlchemyError as exc:
                 attempts += 1
                 if attempts == _INIT_ATTEMPTS or not _lost_creation_race(exc):
@@ -122,6 +136,70 @@ class CatalogConfig:
 
 
 _INIT_ATTEMPTS = 5
+
+
+class _LockWait(threading.local):
+    """How long catalog calls wait for a database another process holds locked, and whether one is waiting already
+    (per thread: a call made inside another one, as commit_table loads the table, leaves the waiting to the outer)."""
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self.depth = 0
+        self.gave_up = False  # a wait ran out and no call got through since: the calls that clean up do not wait again
+
+
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, OperationalError) and "database is locked" in str(exc).lower()
+
+
+def _waits_for_lock(method):
+    """A catalog call that, while another process holds the SQLite catalog database locked, tries again (each try is
+    SQLite's own 5 s wait) for up to the catalog's bound, saying so once, and then raises the lock error (exit 75).
+
+    Nothing of a call that failed on the lock is in the database, so trying it again is the call as if it came later;
+    a commit whose metadata file was written is one more unreferenced file, which orphan removal deletes.
+    """
+
+    @functools.wraps(method)
+    def waiting(self, *args, **kwargs):
+        wait = self._lock_wait
+        if wait.depth or wait.gave_up:
+            result = method(self, *args, **kwargs)
+            wait.gave_up = False
+            return result
+        wait.depth += 1
+        started: float | None = None
+        try:
+            while True:
+                try:
+                    result = method(self, *args, **kwargs)
+                except Exception as exc:
+                    if not _locked(exc):
+                        _free_again(started)
+                        raise
+                    now = time.monotonic()
+                    if started is None:
+                        started = now - _SQLITE_BUSY_TIMEOUT_S
+                        log.warning("the catalog database is locked by another process: waiting for it (up to %g s, "
+                                    "PARTFIN_CATALOG_LOCK_WAIT)", wait.bound_s)
+                    if now - started >= wait.bound_s:
+                        wait.gave_up = True
+                        raise
+                    continue
+                _free_again(started)
+                return result
+        finally:
+            wait.depth -= 1
+
+    return waiting
+
+
+def _free_again(waiting_since: float | None) -> None:
+    if waiting_since is not None:
+        log.warning("the catalog database is free again after %.0f s: going on", time.monotonic() - waiting_since)
+
+
+_SQLITE_BUSY_TIMEOUT_S = 5.0  # Python's sqlite3 waits this long for a lock before it reports one (its default timeout)
 
 
 class NoCatalog(PartfinConfigError):
@@ -141,9 +219,13 @@ class _PartfinSqlCatalog(SqlCatalog):
 
     _CACHED_METADATA = 8  # the tables one process commits to in turn: cdc, its ledger, its rejects, base, ...
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, lock_wait_s: float = Settings.catalog_lock_wait_s, **kwargs) -> None:
+        self._lock_wait = _LockWait(lock_wait_s)
         super().__init__(*args, **kwargs)
         self._metadata_by_location: OrderedDict[str, TableMetadata] = OrderedDict()
+        # a fault point inside the catalog's write transaction, after its UPDATE took SQLite's write lock: a test
+        # parks (and freezes) a process there to hold the lock the way a frozen member would
+        event.listen(self.engine, "after_cursor_execute", _after_catalog_statement)
 
     def _remember(self, location: str, metadata: TableMetadata) -> None:
         cache = self._metadata_by_location
@@ -180,7 +262,15 @@ class _PartfinSqlCatalog(SqlCatalog):
                            io=self._load_file_io(properties=metadata.properties, location=location), catalog=self)
 
     def commit_table(self, table: Table, requirements, updates) -> CommitTableResponse:
-        response = super().commit_table(table, requirements, updates)
+        try:
+            response = super().commit_table(table, requirements, updates)
+        except ValueError as exc:
+            if not _applies_to(table.metadata, updates):
+                raise  # the update is wrong on the metadata it was built on too: a bug, not a race
+            # It applied to the metadata the commit was built on, not to the current one: a concurrent commit changed
+            # what it refers to (an expiry removed the snapshot a tag was to point at, or snapshots this expiry was to
+            # remove). Nothing was written: a lost compare-and-set, retried on fresh metadata like any other.
+            raise CommitFailedException(f"{table.name()} changed under this commit: {first_line(str(exc))}") from exc
         self._remember(response.metadata_location, response.metadata)
         return response
 
@@ -197,9 +287,28 @@ class _PartfinSqlCatalog(SqlCatalog):
             ) from None
 
 
+# Every catalog call that reads or writes the catalog database waits while another process holds it locked.
+for _method in ("_init_catalog", "load_table", "commit_table", "table_exists", "create_table", "list_tables", "create_namespace",
+                "load_namespace_properties", "list_namespaces", "drop_table", "purge_table", "rename_table", "register_table"):
+    setattr(_PartfinSqlCatalog, _method, _waits_for_lock(getattr(_PartfinSqlCatalog, _method)))
+
+
+def _after_catalog_statement(conn, cursor, statement: str, parameters, context, executemany) -> None:
+    if statement.lstrip().upper().startswith("UPDATE ICEBERG_TABLES"):
+        faults().pause_point("catalog-commit-locked")
+
+
+def _applies_to(metadata: TableMetadata, updates) -> bool:
+    try:
+        updated_metadata(metadata, tuple(updates))
+    except ValueError:
+        return False
+    return True
+
+
 def _lost_creation_race(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, IntegrityError) or "already exists" in text or "locked" in text
+    return isinstance(exc, IntegrityError) or "already exists" in text  # a locked database is waited for (_waits_for_lock)
 
 
 def load_partfin_catalog(home: str | os.PathLike | None = None, *, create: bool = True) -> Catalog:

@@ -9,7 +9,8 @@ bounded by count whatever the commit rate and the partitions: a policy whose win
 rest from the late-data ledger, ingest/watermark_processor.py), the newest checkpoint of every writer (its resume
 position on tables older than the `partfin.writer.*` properties), and anything a
 branch or tag points at (the upsert tags the CDC snapshot it merged, the finalization sensor each
-finalized hour of base). A tag or branch with `max-ref-age-ms` older than that (the age of the snapshot
+finalized hour of base) -- and, on cdc.<table>, the snapshot base.<table> records as merged up to before the tag
+has followed. A tag or branch with `max-ref-age-ms` older than that (the age of the snapshot
 it points at, as Iceberg defines it) is dropped by expiry, in the same commit. Before checkpoints
 expire, the late-data ledger records any it does not hold yet (iceberg/ledger.py).
 """
@@ -26,6 +27,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
+from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.commit import remove_snapshots
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
@@ -125,6 +127,7 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
     else:
         keep = {ref.snapshot_id for name, ref in table.metadata.refs.items() if name not in aged}
         keep |= {s.snapshot_id for s in list(lineage(table.metadata))[: retention.keep_last]}
+    keep |= merge_position(table)
     expired = [s for s in snapshots if s.snapshot_id not in keep]
     if len(expired) < max(retention.slack, 1) and not aged:
         return 0  # what the windows keep fills the slack: expire once `slack` more piled up, not on every commit
@@ -133,6 +136,21 @@ def expire_snapshots(table: Table, retention: Retention, window: CommitWindow | 
     if retention.summaries and any(ledger_entry(s) is not None for s in expired):  # a cdc table's checkpoints or replays
         reconcile(table.catalog, table, expired)  # every one reaches the late-data ledger before its snapshot goes
     return remove_snapshots(table, expired, aged)
+
+
+def merge_position(table: Table) -> set[int]:
+    """For cdc.<name>: the snapshot base.<name> records as merged up to (`partfin.source-snapshot-id`), else nothing.
+
+    The upsert's tag (`partfin-base-merged`) keeps it, but the tag moves only after base's commit: an expiry in
+    between (the writer's, a maintenance run) would remove it, the tag could not follow, and the next upsert would
+    re-merge everything.
+    """
+    namespace, name = table.name()[0], table.name()[-1]
+    if namespace != "cdc" or table.catalog is None:
+        return set()
+    base = load_table_if_exists(table.catalog, f"base.{name}")
+    position = base.properties.get(K.PROP_SOURCE_SNAPSHOT_ID) if base is not None else None
+    return {int(position)} if position else set()
 
 
 def expiry_due(table: Table, retention: Retention) -> bool:

@@ -55,6 +55,7 @@ from partfin_assets.iceberg.commit import AttemptFiles, commit_with_retry, new_t
 from partfin_assets.iceberg.files import data_file_paths, data_files, delete_files, read_files
 from partfin_assets.iceberg.history import commit_stream, lineage, summary_of, watermark_of
 from partfin_assets.iceberg.row_delta import swap_files
+from partfin_assets.iceberg.streams import REPLAY_STREAM
 from partfin_assets.iceberg.tables import LEDGER_SCHEMA, ensure_ledger_table, ledger_identifier
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.records import ARRIVAL_TIME
@@ -67,7 +68,6 @@ from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, parse_iso,
 
 log = logging.getLogger(__name__)
 
-REPLAY_STREAM = "partfin.replay"  # the stream replays of an hour are recorded under (checkpoint id: sequence number)
 LEDGER_ARROW_SCHEMA = LEDGER_SCHEMA.as_arrow()
 UTC_US = pa.timestamp("us", tz="UTC")
 

@@ -13,14 +13,16 @@ only inside a commit that PyIceberg validates against the head it was built on:
   ids count up per stream. A table written before per-partition positions keeps its writer's entry
   (all partitions in one offset): partitions without an entry of their own resume from it, and
   their checkpoint ids go on from its checkpoint id.
-- `partfin.stream.<stream id>` = {"writer", "progress", "seen", "state", "since"}: a *progress
+- `partfin.stream.<stream id>` = {"writer", "progress", "seen", "state", "since", "steady"}: a *progress
   stream*, something whose uncommitted data the watermark must not pass. One stream per writer
   (stream id = writer id); a source with partitions (Kafka) has one per partition instead
   (`<writer id>/<partition>`; the writer's own stream is then retired and never holds the
   watermark), which is more entries, not another mechanism. `progress` is the stream's own
   watermark candidate (hour aligned; null until its first stats-bearing commit), `seen` the
   commit clock of its last checkpoint (or its registration), `state` active or retired, `since`
-  per other writer the clock of that writer's first commit that found this checkpoint.
+  per writer that writer's stream clock (below) at its first commit that found this checkpoint
+  (for the stream's own writer: the checkpoint's commit), `steady` its writer's host monotonic
+  clock (and boot) when that commit recorded its own.
 - `partfin.writer-clock.<writer id>` = {"ahead-of", "ahead-by-s", "found"}: the writer's clock was
   found ahead of another writer's by at least that much (see below); absent while they agree.
 
@@ -31,24 +33,37 @@ counts as idle -- no longer holding the watermark -- once it has committed nothi
 heartbeat) for the idle timeout; its next checkpoint makes it active again (its data may then be
 late, and is counted as such).
 
-Clocks. Writers run on hosts whose clocks may disagree, so a stream's silence is never a
-difference of two writers' clocks: the committing writer measures it on its own clock, from its
-own first commit that found the stream's current checkpoint (`since`; a stream of its own
-writer: from `seen`, the same clock). Commits are serialized by the catalog, so that first commit
+Clocks. Writers run on hosts whose clocks may disagree, and a host's clock may step, back or
+forward, while its writer runs. So a stream's silence is never a difference of two writers'
+clocks, nor of two readings across a step: the committing writer measures it on its own *stream
+clock* (`StreamClock`: the host's monotonic clock, carried from run to run on one boot, never
+behind a time the writer recorded in `since`), from its own first commit that found the stream's
+current checkpoint (`since`). Commits are serialized by the catalog, so that first commit
 came after the checkpoint, and the silence measured is never longer than the real one. The same
 first sight checks the clocks against each other: the checkpoint's `seen` lies before the commit
 that finds it, so `seen` beyond the finder's clock by more than the tolerance means the writer
 that recorded it runs ahead by at least that much (`partfin.writer-clock.<writer>`); a later
 first sight by that writer of the finder's checkpoint within the tolerance clears it. A writer
 found ahead judges event times with its clock less that lead (`trusted_clock_us`).
+
+Names. A writer id names a stream, the table properties above and the ledger's rows, and begins
+its partition streams' ids (`<writer id>/<partition>`), so one a user gives is checked
+(`check_writer_id`): 1-128 ASCII letters, digits, `.`, `_`, `-`, starting with a letter or digit
+(no `/`, which begins a partition's stream; no space or control character, which would split the
+lines of `partfin streams`), and outside `partfin.`, the prefix of partfin's own streams
+(`REPLAY_STREAM`: the ledger's record of each replay of an hour).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import cache
+from pathlib import Path
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
@@ -64,6 +79,35 @@ from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso, to_us
 
 DEFAULT_IDLE_TIMEOUT = timedelta(microseconds=STREAMS_IDLE_TIMEOUT.default_value)
 ACTIVE, RETIRED = "active", "retired"
+
+RESERVED_STREAM_PREFIX = "partfin."  # partfin's own streams; no writer id starts with it (in any case)
+REPLAY_STREAM = RESERVED_STREAM_PREFIX + "replay"  # the ledger's stream of replays of an hour (checkpoint id: sequence number)
+PARTITION_SEPARATOR = "/"  # a partition's stream: <writer id>/<partition>
+_WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_PARTITION = re.compile(r"[A-Za-z0-9._-]{1,300}")  # Kafka: <topic>-<partition> (topic names use these characters)
+WRITER_ID_FORM = ("1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                  f"not starting with {RESERVED_STREAM_PREFIX!r} (partfin's own streams)")
+
+
+def check_writer_id(writer_id: str) -> str:
+    """A writer id a user gives, if partfin can use it (see Names in the module docstring); else InvalidInput."""
+    if not _WRITER_ID.fullmatch(writer_id) or writer_id.lower().startswith(RESERVED_STREAM_PREFIX):
+        raise InvalidInput(f"writer id {writer_id!r} is not one partfin can use: {WRITER_ID_FORM}")
+    return writer_id
+
+
+def check_stream_id(stream_id: str) -> str:
+    """A stream id a user gives: a writer id, or a writer's partition stream `<writer id>/<partition>`."""
+    writer_id, separator, partition = stream_id.partition(PARTITION_SEPARATOR)
+    try:
+        check_writer_id(writer_id)
+    except InvalidInput:
+        pass
+    else:
+        if not separator or _PARTITION.fullmatch(partition):
+            return stream_id
+    raise InvalidInput(f"stream {stream_id!r} is not one partfin names: a writer id ({WRITER_ID_FORM}), "
+                       f"or <writer id>/<partition> (letters, digits, '.', '_', '-')")
 
 
 class UnknownStream(PartfinError):
@@ -126,8 +170,10 @@ class Stream:
     progress_us: int | None  # the stream's watermark candidate; None: it claims nothing yet
     seen_us: int  # commit clock of its last checkpoint, or of its registration (its writer's clock)
     retired: bool = False
-    # other writer id -> that writer's clock at its first commit that found this checkpoint
+    # writer id -> that writer's stream clock at its first commit that found this checkpoint (its own: the checkpoint)
     since: Mapping[str, int] = field(default_factory=dict)
+    # its writer's host monotonic clock when its own `since` entry was recorded (None: not recorded, no boot known)
+    steady: SteadyReading | None = None
 
     def encode(self) -> str:
         entry = {
@@ -138,6 +184,8 @@ class Stream:
         }
         if self.since:
             entry["since"] = {writer: iso_z(us) for writer, us in sorted(self.since.items())}
+        if self.steady is not None:
+            entry["steady"] = {"boot": self.steady.boot, "us": self.steady.us}
         return compact_json(entry)
 
     @classmethod
@@ -151,15 +199,16 @@ class Stream:
             to_us(parse_iso(entry["seen"])),
             entry.get("state") == RETIRED,
             {writer: to_us(parse_iso(at)) for writer, at in entry.get("since", {}).items()},
+            SteadyReading(entry["steady"]["boot"], int(entry["steady"]["us"])) if "steady" in entry else None,
         )
 
     def silence_us(self, writer_id: str | None, clock_us: int) -> int:
-        """How long the stream has committed nothing, as writer `writer_id` measures it on its own clock at `clock_us`.
+        """How long the stream has committed nothing, as writer `writer_id` measures it at `clock_us` on its stream clock.
 
-        Its own writer: since `seen`. Another writer: since its first commit that found this
-        checkpoint (0 before it has one: this is it). None: a reader that commits nothing, on its clock.
+        From the writer's first commit that found this checkpoint (0 before it has one: this is it).
+        None: a reader that commits nothing, from `seen` on its wall clock `clock_us`.
         """
-        if writer_id is None or writer_id == self.writer_id:
+        if writer_id is None:
             return clock_us - self.seen_us
         found = self.since.get(writer_id)
         return 0 if found is None else clock_us - found
@@ -167,9 +216,11 @@ class Stream:
     def idle(self, writer_id: str | None, clock_us: int, idle_timeout_us: int) -> bool:
         return self.silence_us(writer_id, clock_us) > idle_timeout_us
 
-    def checkpointed(self, progress_us: int | None, clock_us: int) -> Stream:
-        """The stream after a checkpoint of its own at `clock_us`: active, seen now, found by nobody yet."""
-        return replace(self, progress_us=progress_us, seen_us=clock_us, retired=False, since={})
+    def checkpointed(self, progress_us: int | None, clock_us: int, reading: StreamClockReading) -> Stream:
+        """The stream after a checkpoint of its own at commit clock `clock_us` (its writer's stream clock `reading`):
+        active, seen now, found by its own writer only."""
+        return replace(self, progress_us=progress_us, seen_us=clock_us, retired=False, since={self.writer_id: reading.us},
+                       steady=reading.steady)
 
 
 def streams_of(properties: Mapping[str, str]) -> dict[str, Stream]:
@@ -187,7 +238,8 @@ def idle_timeout_us(properties: Mapping[str, str]) -> int:
 
 
 def active_streams(streams: Mapping[str, Stream], writer_id: str | None, clock_us: int, idle_timeout: int) -> dict[str, Stream]:
-    """The streams that hold the watermark as writer `writer_id` judges them at `clock_us`: not retired, not idle."""
+    """The streams that hold the watermark as writer `writer_id` judges them at `clock_us` (its stream clock; a
+    reader: its wall clock): not retired, not idle."""
     return {sid: s for sid, s in streams.items() if not s.retired and not s.idle(writer_id, clock_us, idle_timeout)}
 
 
@@ -203,11 +255,86 @@ def stream_property(stream: Stream) -> dict[str, str]:
     return {K.PROP_STREAM_PREFIX + stream.stream_id: stream.encode()}
 
 
-def first_sights(streams: Mapping[str, Stream], writer_id: str, clock_us: int) -> dict[str, Stream]:
-    """Other writers' active streams whose current checkpoint this commit of `writer_id` is the first to find,
-    with this writer's clock recorded in `since` (its measure of their silence starts here)."""
-    return {sid: replace(s, since={**s.since, writer_id: clock_us}) for sid, s in streams.items()
-            if s.writer_id != writer_id and not s.retired and writer_id not in s.since}
+def first_sights(streams: Mapping[str, Stream], writer_id: str, stream_clock_us: int) -> dict[str, Stream]:
+    """Active streams whose current checkpoint this commit of `writer_id` is the first of its writer to find
+    (another writer's; one of its own recorded before `since` held its checkpoint), with this writer's
+    stream clock recorded in `since` (its measure of their silence starts here)."""
+    return {sid: replace(s, since={**s.since, writer_id: stream_clock_us}) for sid, s in streams.items()
+            if not s.retired and writer_id not in s.since}
+
+
+# --------------------------------------------------------------------------- the clock that measures silence
+
+
+@dataclass(frozen=True)
+class SteadyReading:
+    """A reading of a host's monotonic clock (CLOCK_MONOTONIC, µs since its boot), which no step of the wall clock
+    moves; `boot` names the boot it counts from (None: unknown, so never compared with another process's)."""
+
+    boot: str | None
+    us: int
+
+
+@cache
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def steady_now() -> SteadyReading:
+    return SteadyReading(_boot_id(), time.monotonic_ns() // 1000)
+
+
+@dataclass(frozen=True)
+class StreamClockReading:
+    us: int  # the stream clock
+    steady: SteadyReading  # the host's monotonic clock at the same moment
+
+
+def recorded_by(streams: Mapping[str, Stream], writer_id: str) -> int | None:
+    """The latest stream clock `writer_id` recorded in the streams (`since`); None: none."""
+    return max((s.since[writer_id] for s in streams.values() if writer_id in s.since), default=None)
+
+
+class StreamClock:
+    """The clock writer `writer_id` measures progress streams' silence on: one that no step of its host's clock lengthens.
+
+    It runs on the host's monotonic clock, which the kernel never steps (a step of the wall clock,
+    back or forward, leaves it alone), from where the writer's stream clock stood: at a process's
+    first reading, the stream clock the writer recorded last on this boot (its own streams'
+    `since`, with the monotonic clock then, `steady`) moved on by the monotonic clock since,
+    though never beyond the wall clock (a process of another clock, libfaketime's, may share the
+    boot); without such a record, the wall clock. And never earlier than the latest time the writer
+    recorded in the table (`recorded_by`): a process started after a step back starts where the
+    writer's clock stood. So neither a step during a run nor one between runs on one boot lengthens
+    a silence, and where the monotonic clock steps too (libfaketime), a step back and forward again
+    does not either.
+    """
+
+    def __init__(self, writer_id: str, wall_us: Callable[[], int], steady: Callable[[], SteadyReading] = steady_now) -> None:
+        self.writer_id = writer_id
+        self._wall_us, self._steady = wall_us, steady
+        self._anchor: tuple[int, int] | None = None  # (stream clock, monotonic clock) at the first reading
+
+    def read(self, streams: Mapping[str, Stream]) -> StreamClockReading:
+        """The stream clock now, for a commit on `streams` (the table's, as the commit finds them)."""
+        steady = self._steady()
+        floor = recorded_by(streams, self.writer_id)
+        if self._anchor is None:
+            start = min((self._wall_us(), *self._resumed(streams, steady)))
+            self._anchor = (start if floor is None else max(start, floor), steady.us)
+        at, steady_at = self._anchor
+        now = at + steady.us - steady_at
+        return StreamClockReading(now if floor is None else max(now, floor), steady)
+
+    def _resumed(self, streams: Mapping[str, Stream], steady: SteadyReading) -> list[int]:
+        """The writer's last recorded stream clock on this boot moved on by the monotonic clock since (none or one)."""
+        moved = [s.since[self.writer_id] + steady.us - s.steady.us for s in streams.values()
+                 if s.writer_id == self.writer_id and self.writer_id in s.since and s.steady is not None and steady.boot is not None
+                 and s.steady.boot == steady.boot and s.steady.us <= steady.us]
+        return [max(moved)] if moved else []
 
 
 # --------------------------------------------------------------------------- writers' clocks checked against each other
@@ -276,8 +403,10 @@ def check_clocks(sighted: Mapping[str, Stream], clocks: Mapping[str, WriterClock
     found: dict[str, WriterClock] = {}
     cleared: list[str] = []
     for stream in sighted.values():
-        lead = stream.seen_us - clock_us
         other = stream.writer_id
+        if other == writer_id:
+            continue  # a stream of its own, recorded before `since` held its checkpoint
+        lead = stream.seen_us - clock_us
         known = found.get(other) or clocks.get(other)
         if lead > tolerance_us and (known is None or known.ahead_of == writer_id or lead > known.ahead_by_us):
             found[other] = WriterClock(other, writer_id, lead, clock_us)
@@ -296,8 +425,9 @@ def trusted_clock_us(clocks: Mapping[str, WriterClock], writer_id: str, clock_us
 # --------------------------------------------------------------------------- registration and retirement
 
 
-def register_stream(catalog: Catalog, identifier: str, stream_id: str, writer_id: str, clock_us: int) -> Table:
-    """Make the stream active (a writer starting): a new one claims nothing until its first checkpoint.
+def register_stream(catalog: Catalog, identifier: str, stream_id: str, clock_us: int, stream_clock: StreamClock) -> Table:
+    """Make the stream active (a writer starting at commit clock `clock_us`): a new one claims nothing until its
+    first checkpoint; its silence is measured from here (`since`, on the writer's `stream_clock`).
 
     An active stream is left as it is (its `seen` moves with its checkpoints only, so that a
     writer started again and again without committing still goes idle); a retired one becomes
@@ -306,18 +436,22 @@ def register_stream(catalog: Catalog, identifier: str, stream_id: str, writer_id
     instead (those it had; the source's others join at its first checkpoint), its own stays retired.
     """
 
+    writer_id = stream_clock.writer_id
+
     def build(table: Table, commit_id: str):
         streams = streams_of(table.properties)
+        reading = stream_clock.read(streams)
+        since, steady = {writer_id: reading.us}, reading.steady
         partitions = [s for sid, s in streams.items() if stream_id == writer_id and s.writer_id == writer_id and sid.startswith(writer_id + "/")]
         current = streams.get(stream_id)
         if partitions:
-            changed = [replace(s, retired=False, seen_us=clock_us, since={}) for s in partitions if s.retired]
+            changed = [replace(s, retired=False, seen_us=clock_us, since=since, steady=steady) for s in partitions if s.retired]
             if current is not None and not current.retired:
                 changed.append(replace(current, retired=True))
         elif current is None:
-            changed = [Stream(stream_id, writer_id, None, clock_us)]
+            changed = [Stream(stream_id, writer_id, None, clock_us, since=since, steady=steady)]
         elif current.retired:
-            changed = [replace(current, retired=False, seen_us=clock_us, since={})]
+            changed = [replace(current, retired=False, seen_us=clock_us, since=since, steady=steady)]
         else:
             changed = []
         if not changed:
@@ -338,7 +472,8 @@ def retire_stream(catalog: Catalog, identifier: str, stream_id: str) -> Stream:
 
     def build(table: Table, commit_id: str):
         streams = streams_of(table.properties)
-        if stream_id not in streams:
+        if stream_id not in streams:  # one an older partfin registered under a name outside the form can be retired
+            check_stream_id(stream_id)
             known = ", ".join(sorted(streams)) or "none"
             raise UnknownStream(f"{identifier} has no stream {stream_id!r} (streams: {known})")
         targets = [s for sid, s in streams.items() if sid == stream_id or (s.writer_id == stream_id and sid.startswith(stream_id + "/"))]

@@ -70,6 +70,9 @@ class CommitContext:
     # iceberg/streams.py), and the idle timeout they are judged by; None: as the table's properties say
     streams: Mapping[str, Stream] | None = None
     idle_timeout_us: int | None = None
+    # the writer's stream clock at this commit (streams.StreamClock): what the streams' silence is measured
+    # on, which no step of the host's clock lengthens; None: the commit clock
+    stream_clock_us: int | None = None
     # the commit clock checked against the other writers' (streams.trusted_clock_us): what event times
     # are capped with; None: the commit clock
     trusted_clock_us: int | None = None
@@ -77,6 +80,10 @@ class CommitContext:
     @property
     def stream(self) -> str:
         return self.stream_id or self.writer_id
+
+    @property
+    def stream_clock(self) -> int:
+        return self.clock_us if self.stream_clock_us is None else self.stream_clock_us
 
     @property
     def trusted_clock(self) -> int:

@@ -53,7 +53,8 @@ def record_discovered_columns(catalog: Catalog, spec: TableSpec, source: CdcSour
     columns = source.column_types() if isinstance(source, DiscoversColumns) else None
     if spec.columns or not columns:
         return
-    declared = {K.PROP_COLUMNS: dataclasses.replace(spec, columns=columns).to_properties()[K.PROP_COLUMNS]}
+    discovered = dataclasses.replace(spec, columns=columns, decimal_encodings=source.decimal_encodings())
+    declared = {K.PROP_COLUMNS: discovered.to_properties()[K.PROP_COLUMNS]}
     set_table_properties(catalog, spec.cdc_identifier, declared)  # another writer may be committing right now
 
 

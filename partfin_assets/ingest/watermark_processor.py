@@ -84,14 +84,14 @@ def table_candidate(ctx: CommitContext) -> int | None:
 
     The streams are judged as this commit leaves them (a Kafka writer's own stream, retired by its
     partitions' first checkpoint, does not hold it) and by the committing writer's own clock (their
-    silence, iceberg/streams.py). None (the watermark stays) while an active stream claims no
-    progress yet: a writer that registered but has not committed stats holds the watermark,
-    whatever the others did.
+    silence, on its stream clock: iceberg/streams.py). None (the watermark stays) while an active
+    stream claims no progress yet: a writer that registered but has not committed stats holds the
+    watermark, whatever the others did.
     """
     properties = ctx.table.metadata.properties
     streams = ctx.streams if ctx.streams is not None else streams_of(properties)
     timeout = ctx.idle_timeout_us if ctx.idle_timeout_us is not None else idle_timeout_us(properties)
-    others = active_streams(streams, ctx.writer_id, ctx.clock_us, timeout)
+    others = active_streams(streams, ctx.writer_id, ctx.stream_clock, timeout)
     others.pop(ctx.stream, None)
     floor = progress_floor(others) if others else ctx.stream_progress_us
     if ctx.stream_progress_us is None or floor is None:

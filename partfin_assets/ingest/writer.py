@@ -44,8 +44,8 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, hour_rows, reconcile
 from partfin_assets.iceberg.streams import (
-    CommittedPosition, Stream, check_clocks, first_sights, idle_timeout_us, position_in, positions_of, register_stream, stream_position,
-    stream_property, streams_of, trusted_clock_us, writer_clocks,
+    CommittedPosition, SteadyReading, Stream, StreamClock, StreamClockReading, check_clocks, check_writer_id, first_sights, idle_timeout_us, position_in,
+    positions_of, register_stream, steady_now, stream_position, stream_property, streams_of, trusted_clock_us, writer_clocks,
 )
 from partfin_assets.iceberg.tables import ensure_cdc_tables
 from partfin_assets.ingest.event_time import EventTimeAccumulator, EventTimes
@@ -189,12 +189,13 @@ class CdcWriter:
         retention: Retention | None = None,
         heartbeat_interval_s: float = 60.0,
         clock: Callable[[], datetime] = now_utc,
+        steady_clock: Callable[[], SteadyReading] = steady_now,
     ) -> None:
         if subtasks < 1:
             raise InvalidInput(f"subtasks must be at least 1, got {subtasks}")
         self.catalog = catalog
         self.spec = spec
-        self.writer_id = writer_id or f"{spec.name}-writer"
+        self.writer_id = check_writer_id(writer_id) if writer_id is not None else f"{spec.name}-writer"
         self.subtasks = subtasks
         self.accumulators = list(accumulators) if accumulators is not None else [EventTimeAccumulator]
         self.processors = list(processors) if processors is not None else [WatermarkProcessor()]
@@ -206,13 +207,15 @@ class CdcWriter:
                 raise ValueError(f"{type(processor).__name__} needs accumulator(s) {missing}; register them with the writer")
         self.heartbeat_interval_us = int(heartbeat_interval_s * 1_000_000)
         self.clock = clock
+        # what progress streams' silence is measured on: the host's monotonic clock `steady_clock`, not `clock`'s steps
+        self.stream_clock = StreamClock(self.writer_id, lambda: to_us(clock()), steady_clock)
         if spec.watermark_policy is not None:  # a bad declaration is refused before any table is created
             spec = replace(spec, watermark_policy=str(parse_policy(spec.watermark_policy)))
         ensure_cdc_tables(catalog, spec)
         # the policy in force: the table's, or the declared one that differs, taking effect now as a recorded change
         self.spec = replace(spec, watermark_policy=declare_policy(catalog, spec.cdc_identifier, spec.watermark_policy))
         # the writer's progress stream holds the watermark from now on (iceberg/streams.py)
-        self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, self.writer_id, to_us(clock()))
+        self.table = register_stream(catalog, spec.cdc_identifier, self.writer_id, to_us(clock()), self.stream_clock)
         self._positions = positions_of(self.table.metadata, self.writer_id)
         # checkpoints a crashed run committed but never recorded reach the late-data ledger first
         reconcile(catalog, self.table)
@@ -383,15 +386,17 @@ class CdcWriter:
         clock_us = to_us(self.clock())
         properties = table.properties
         streams = streams_of(properties)
+        stream_clock = self.stream_clock.read(streams)
         stream = streams.get(stream_id) or Stream(stream_id, self.writer_id, None, clock_us)
-        # the other writers' checkpoints this commit is the first to find: their silence is measured from
-        # here on this clock, and they check this clock against theirs (iceberg/streams.py, "Clocks")
+        # the checkpoints this commit is the first of this writer to find: their silence is measured from here on
+        # its stream clock, and the other writers' clocks are checked against this commit's (iceberg/streams.py, "Clocks")
         tolerance = future_tolerance_us(properties)
-        sighted = first_sights(streams, self.writer_id, clock_us)
+        sighted = first_sights(streams, self.writer_id, stream_clock.us)
         clocks = writer_clocks(properties)
         findings = check_clocks(sighted, clocks, self.writer_id, clock_us, tolerance)
         trusted_us = trusted_clock_us(findings.apply(clocks), self.writer_id, clock_us)
-        partition_streams = self._partition_streams(streams, prepared.source_streams, clock_us) if prepared.partition is not None else {}
+        partition_streams = (self._partition_streams(streams, prepared.source_streams, clock_us, stream_clock)
+                             if prepared.partition is not None else {})
         changed = {**sighted, **partition_streams}
         observed = self._source_clock_of(staged.arrival_max, prepared.heartbeat_us, staged.accumulated.get(EventTimeAccumulator.name),
                                          trusted_us, tolerance)
@@ -400,7 +405,7 @@ class CdcWriter:
         ctx = CommitContext(table, self.spec.name, staged.checkpoint_id, prepared.heartbeat_us, staged.accumulated, self.writer_id,
                             clock_us, stream_progress_us=stream.progress_us, stream_id=stream_id, arrival_us=staged.arrival_max,
                             source_clock_us=source_clock, streams={**streams, **changed},
-                            idle_timeout_us=idle_timeout_us(properties), trusted_clock_us=trusted_us)
+                            idle_timeout_us=idle_timeout_us(properties), stream_clock_us=stream_clock.us, trusted_clock_us=trusted_us)
         for processor in self.processors:
             processor.pre_commit(ctx)
         staged.context = ctx
@@ -410,7 +415,7 @@ class CdcWriter:
         with tx.update_snapshot(snapshot_properties=summary).merge_append() as append:
             for data_file in staged.data_files:
                 append.append_data_file(data_file)
-        stream = stream.checkpointed(ctx.stream_progress_us, clock_us)
+        stream = stream.checkpointed(ctx.stream_progress_us, clock_us, stream_clock)
         changed_streams = {k: v for s in changed.values() for k, v in stream_property(s).items()}
         position_property = {K.PROP_WRITER_PREFIX + stream_id: CommittedPosition(staged.checkpoint_id, prepared.offset).encode()}
         tx.set_properties({**ctx.properties, **position_property, **changed_streams, **findings.properties(), **stream_property(stream)})
@@ -534,7 +539,8 @@ class CdcWriter:
         """The progress stream of a batch: the writer's own, or `<writer id>/<partition>` (a Kafka topic partition)."""
         return self.writer_id if partition is None else f"{self.writer_id}/{partition}"
 
-    def _partition_streams(self, streams: dict[str, Stream], source_streams: tuple[str, ...], clock_us: int) -> dict[str, Stream]:
+    def _partition_streams(self, streams: dict[str, Stream], source_streams: tuple[str, ...], clock_us: int,
+                           stream_clock: StreamClockReading) -> dict[str, Stream]:
         """Streams a partition's checkpoint changes: every partition the source reads now holds the watermark
         from its first checkpoint on (one that delivers nothing holds it until it is idle), and the writer's
         own stream, which its partitions replace, is retired (the checkpoint's watermark already without it)."""
@@ -542,7 +548,8 @@ class CdcWriter:
         for stream_id in source_streams:
             known = streams.get(stream_id)
             if known is None or known.retired:
-                changed[stream_id] = Stream(stream_id, self.writer_id, None, clock_us) if known is None else known.checkpointed(known.progress_us, clock_us)
+                changed[stream_id] = (known or Stream(stream_id, self.writer_id, None, clock_us)).checkpointed(
+                    known.progress_us if known else None, clock_us, stream_clock)
         own = streams.get(self.writer_id)
         if own is not None and not own.retired:
             changed[self.writer_id] = replace(own, retired=True)

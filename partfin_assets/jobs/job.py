@@ -5,9 +5,10 @@ it records the snapshot it read, the partitions it targets and the files it wrot
 commits once through the commit layer. INTO and OVERWRITE are rebuilt on the fresh head
 (an OVERWRITE keeps what INTO commits appended after its start); UPDATE/DELETE and MERGE
 fail with `CommitConflictError` when a commit after their start touched their partitions.
-A job that fails or is abandoned deletes the files it wrote. A job whose start snapshot expired
-while it read it (FileNotFoundError on its manifests) fails with `CommitConflictError` too: re-run
-from the current head like any other lost race.
+A job that fails or is abandoned deletes the files it wrote. A job whose start snapshot, or a snapshot
+of another table it pinned (`Job.pin`: the upsert's cdc.<table>), expired while it read it
+(FileNotFoundError on its manifests) fails with `CommitConflictError` too: re-run from the current
+heads like any other lost race.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class Job:
     partitions: set[str] = field(default_factory=set)
     expected_properties: dict[str, str | None] = field(default_factory=dict)  # compare-and-set on commit
     erasures_version: int | None = None  # the erasure registry version its input was filtered with (expect_erasures)
+    pinned: dict[str, int] = field(default_factory=dict)  # other tables it reads -> the snapshot it reads (pin)
     written: list[str] = field(default_factory=list)
     before_commit: list[Hook] = field(default_factory=list)
     committed: JobResult | None = None
@@ -180,13 +182,14 @@ class Job:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.committed is None:
             self.abort()
-        head = self._head_without_start() if isinstance(exc, FileNotFoundError) and self.committed is None else None
-        if head is not None:
-            # expiry removed the start snapshot (its manifest list) while the job read it: nothing of the job
-            # is visible, so it is a conflict like any other, and a re-run reads the current head
+        expired = self._expired_read() if isinstance(exc, FileNotFoundError) and self.committed is None else None
+        if expired is not None:
+            # expiry removed a snapshot the job read (its manifest list) while it ran: nothing of the job is
+            # visible, so it is a conflict like any other, and a re-run reads the current heads
+            head_snapshot_id, what = expired
             raise self._conflict(Conflict(
-                head.metadata.current_snapshot_id, frozenset(self.partitions or {WHOLE_TABLE}), None, None,
-                f"its start snapshot {self.start_snapshot_id} expired while it ran ({exc.filename or exc})",
+                head_snapshot_id, frozenset(self.partitions or {WHOLE_TABLE}), None, None,
+                f"{what} expired while it ran ({exc.filename or exc})",
             )) from exc
 
     # ---- read side
@@ -197,6 +200,13 @@ class Job:
             if summary_of(snapshot).get(K.JOB_ID) == self.job_id:
                 return snapshot
         return None
+
+    def pin(self, table: Table) -> Table:
+        """Record that the job reads `table` (another table, e.g. the upsert's cdc.<table>) at its current snapshot:
+        should expiry remove that snapshot while the job reads it, the job fails as a conflict and is re-run."""
+        if table.metadata.current_snapshot_id is not None:
+            self.pinned[".".join(table.name())] = table.metadata.current_snapshot_id
+        return table
 
     def target(self, partitions: Iterable[str]) -> None:
         self.partitions.update(partitions)
@@ -393,15 +403,21 @@ class Job:
         self._split = (key, split)
         return split
 
-    def _head_without_start(self) -> Table | None:
-        """The table's head if the job's start snapshot is no longer in it (expired), else None."""
-        if self.start_snapshot_id is None:
-            return None
-        try:
-            head = self.catalog.load_table(self.identifier)
-        except Exception:  # noqa: BLE001 - the job's own error says more than a failed look
-            return None
-        return head if head.metadata.snapshot_by_id(self.start_snapshot_id) is None else None
+    def _expired_read(self) -> tuple[int | None, str] | None:
+        """(its table's head, what expired) if the job's start snapshot or a snapshot it pinned is no longer in its table."""
+        reads = {self.identifier: self.start_snapshot_id, **self.pinned}
+        for identifier, snapshot_id in reads.items():
+            if snapshot_id is None:
+                continue
+            try:
+                head = self.catalog.load_table(identifier)
+            except Exception:  # noqa: BLE001 - the job's own error says more than a failed look
+                return None
+            if head.metadata.snapshot_by_id(snapshot_id) is None:
+                what = f"its start snapshot {snapshot_id}" if identifier == self.identifier else f"snapshot {snapshot_id} of {identifier} it read"
+                own = head if identifier == self.identifier else self.catalog.load_table(self.identifier)
+                return own.metadata.current_snapshot_id, what
+        return None
 
     def _conflict(self, conflict: Conflict) -> CommitConflictError:
         return CommitConflictError(

@@ -21,10 +21,13 @@ from pyiceberg.table import Table
 
 from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.expiry import Retention, expire_snapshots
-from partfin_assets.iceberg.files import delete_files
+from partfin_assets.iceberg.files import WHOLE_TABLE, delete_files
 from partfin_assets.iceberg.tables import ledger_identifier
+from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.faults import faults
 from partfin_assets.model.stats import CommitWindow
+from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.watermark.registry import table_policy
 
@@ -113,6 +116,31 @@ def referenced_files(table: Table) -> set[str]:
     return out
 
 
+_REFERENCE_ATTEMPTS = 20
+
+
+def _referenced_files_of_current(catalog, identifier: str, table: Table) -> set[str]:
+    """`referenced_files` of the table as loaded, or of a fresher load when a commit expired snapshots meanwhile.
+
+    A writer expires snapshots as it commits, deleting their manifest lists; a manifest list missing from the
+    metadata in hand is such an expiry when the table's metadata has moved on since, and the fresh metadata (still
+    loaded after the listing) no longer names it. A manifest list missing from the current metadata is not a race.
+    """
+    for _ in range(_REFERENCE_ATTEMPTS):
+        try:
+            return referenced_files(table)
+        except FileNotFoundError:
+            fresh = catalog.load_table(identifier)
+            if fresh.metadata_location == table.metadata_location:
+                raise
+            log.info("%s: snapshots expired while their files were listed; listing them again on fresh metadata", identifier)
+            table = fresh
+    raise CommitConflictError(
+        identifier, JobKind.MERGE, "orphan-removal", [WHOLE_TABLE], table.metadata.current_snapshot_id,
+        reason=f"snapshots expired under each of {_REFERENCE_ATTEMPTS} reads of what the retained snapshots reference",
+    )
+
+
 @dataclass(frozen=True)
 class StoredFile:
     path: str  # normalized
@@ -187,7 +215,8 @@ def remove_orphan_files(
     table = catalog.load_table(identifier)
     files = list_table_files(table.metadata.location)
     table = catalog.load_table(identifier)  # after listing: anything committed meanwhile is referenced
-    referenced = referenced_files(table)
+    faults().pause_point("orphans-after-load")
+    referenced = _referenced_files_of_current(catalog, identifier, table)
     now_s = time.time() if now_s is None else now_s
     report = OrphanReport(identifier, len(files), len(referenced), [], [], dry_run)
     for stored in files:

@@ -166,8 +166,10 @@ def replay(commits: Sequence[CommitStats], streams: Sequence[str], policy_text: 
     `commits`/`streams`: the ledger's stats-bearing checkpoints in commit order and the stream of
     each. Per stream the policy's window (the commit and its older ones), the candidate capped at
     the commit clock's hour; the table's candidate is the minimum over the streams seen within the
-    idle timeout; the watermark advances, never back. A learning policy learns its state from
-    the rows committed before, refreshed as the writer refreshes it.
+    idle timeout; the watermark advances, never back. Silence is measured on the ledger's commit
+    clocks, as the writers' rule (iceberg/streams.py) measures it when they share one clock that
+    never steps: the ledger does not record their stream clocks. A learning policy learns its
+    state from the rows committed before, refreshed as the writer refreshes it.
     """
     policy = parse_policy(policy_text)
     history: dict[str, list[CommitStats]] = {}

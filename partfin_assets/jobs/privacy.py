@@ -49,8 +49,7 @@ from partfin_assets.jobs.conflicts import CommitConflictError
 from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import Erasures, redact_raw_lines
-from partfin_assets.model.errors import InvalidInput
-from partfin_assets.model.record_keys import canonical_key
+from partfin_assets.model.record_keys import canonical_key, parse_key
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import now_utc, to_us
@@ -137,19 +136,19 @@ def _up_to(mask: MaskFn, column: str, erased_before_us: int | None) -> MaskFn:
     return lambda rows: pc.and_(mask(rows), pc.less_equal(pc.cast(rows.column(column), pa.int64()), cutoff))
 
 
-def cdc_key_filter(keys: Iterable[Mapping[str, Any]], erased_before_us: int | None = None) -> tuple[BooleanExpression, MaskFn]:
-    """Rows of cdc.<table> (or its quarantine, same columns) of these keys, with an event time up to the cutoff."""
-    texts = sorted({canonical_key(k) for k in keys})
+def cdc_key_filter(keys: Iterable[Mapping[str, Any] | str], erased_before_us: int | None = None) -> tuple[BooleanExpression, MaskFn]:
+    """Rows of cdc.<table> (or its quarantine, same columns) of these keys (canonical texts, or the key columns'
+    values as the canonical key writes them), with an event time up to the cutoff."""
+    texts = sorted({k if isinstance(k, str) else canonical_key(k) for k in keys})
     values = pa.array(texts, pa.string())
     return In("key", texts), _up_to(lambda rows: pc.is_in(rows.column("key"), value_set=values), "event_time", erased_before_us)
 
 
 def base_key_filter(spec: TableSpec, keys: Iterable[Mapping[str, Any]], erased_before_us: int | None = None) -> tuple[BooleanExpression, MaskFn]:
+    """Rows of base.<table> with these keys (the key columns' values as base holds them: `GivenKey.typed`), with an
+    event time up to the cutoff."""
     pk = list(spec.primary_key)
     keys = list(keys)
-    for key in keys:
-        if set(key) != set(pk):
-            raise InvalidInput(f"key {dict(key)} does not name exactly the primary key {pk} of {spec.name}")
     columns = {c: pa.array([k[c] for k in keys], spec.columns.get(c)) for c in pk}
     prune: BooleanExpression | None = None
     for c in pk:
@@ -250,28 +249,31 @@ def privacy_delete(
     docstring): their changes with an event time up to `erased_before_us` (default: now, when the request is first
     registered; a re-run keeps the first cutoff).
 
+    Each key is read against the key columns' declared types (model/record_keys.py `parse_key`): one that is not
+    exactly one value of each raises InvalidInput before anything is written.
+
     Idempotent and resumable: re-running the same request after a crash finishes it. `after_step` (tests) is called
     with the name of each step once done: "registered", then each table's identifier, then "references".
     """
-    keys = [dict(k) for k in keys]
     request_id = request_id or uuid.uuid4().hex
     cdc = load_existing_table(catalog, f"cdc.{name}")
     spec = TableSpec.from_properties(name, cdc.properties)
-    if not keys:
+    # a key that is not exactly one value of each key column's type would erase half a key, or another one:
+    # refused before anything is read or recorded
+    given = [parse_key(key, spec.primary_key, spec.columns, f"key #{i} for {spec.cdc_identifier}") for i, key in enumerate(keys, 1)]
+    if not given:
         return PrivacyDeleteResult(name, request_id, [], [])
-    # a key naming other columns would match nothing, or too much: refused before anything is read or recorded
-    base_key_filter(spec, keys)
     step = after_step or (lambda _: None)
     now_us = to_us(now_utc())
-    erasures = register_erasure(catalog, spec, request_id, [canonical_key(k) for k in keys],
+    erasures = register_erasure(catalog, spec, request_id, [k.text for k in given],
                                 erased_before_us if erased_before_us is not None else now_us, now_us)
     cutoff = max(e.erased_before_us for e in erasures.entries if e.request_id == request_id)
     # an upsert that read before the request may create the quarantine only now: it must exist to be fenced
     ensure_quarantine_table(catalog, spec)
     step(STEP_REGISTERED)
 
-    cdc_prune, cdc_mask = cdc_key_filter(keys, cutoff)
-    base_prune, base_mask = base_key_filter(spec, keys, cutoff)
+    cdc_prune, cdc_mask = cdc_key_filter([k.text for k in given], cutoff)
+    base_prune, base_mask = base_key_filter(spec, [k.typed for k in given], cutoff)
     rejected_prune, rejected_mask, redact = rejected_lines_filter(erasures)
     result = PrivacyDeleteResult(name, request_id, [], [], erased_before_us=cutoff)
     for identifier, prune, mask, into, rewrite in (

@@ -186,6 +186,11 @@ class DiscoversColumns(Protocol):
         that named only the key."""
         ...
 
+    def decimal_encodings(self) -> dict[str, str]:
+        """How those decimal columns are written in JSON without a schema block, where not the default
+        (model/tablespec.py DECIMAL_ENCODINGS), as the first change read showed them."""
+        ...
+
 
 @runtime_checkable
 class ReadsPartitions(Protocol):

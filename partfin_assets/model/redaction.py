@@ -27,7 +27,10 @@ from partfin_assets.model import conninfo
 from partfin_assets.model.conninfo import MASK
 from partfin_assets.model.errors import PartfinError, first_line
 
-_KEY = r"(?:ssl)?password|passwd|pwd|secret|token|(?:secret[-_.]?)?access[-_.]?key"
+# Words that make a setting's name a secret's (a password, passphrase, secret, credentials, private key material): the
+# one rule for what is masked in text here and what a source spec refuses (sources/kafka.py)
+SECRET_NAME_WORDS = r"password|passwd|pwd|passphrase|secret|credentials?|private[-_.]?key"
+_KEY = rf"(?:ssl)?(?:{SECRET_NAME_WORDS})|token|(?:secret[-_.]?)?access[-_.]?key"
 # scheme://user:PASSWORD@ (greedy up to the last '@' of the token: a password may contain '@')
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'\"]*:)\S*@")
 # ?NAME=VALUE / &NAME=VALUE: up to the next parameter; NAME may be percent-encoded (libpq decodes it)

@@ -32,6 +32,10 @@ class Settings:
     max_records: int = field(default=20_000, metadata={"env": "PARTFIN_MAX_RECORDS"})
     max_checkpoints_per_run: int = field(default=500, metadata={"env": "PARTFIN_MAX_CHECKPOINTS_PER_RUN"})
     max_seconds_per_run: float = field(default=45.0, metadata={"env": "PARTFIN_MAX_SECONDS_PER_RUN"})
+    # how long a command waits for the SQLite catalog database another process holds locked before it gives up
+    # (exit 75): longer than a Kafka member's default session timeout (45 s), so a member frozen while it commits
+    # is out of its group before the others give up on it (iceberg/catalog.py)
+    catalog_lock_wait_s: float = field(default=60.0, metadata={"env": "PARTFIN_CATALOG_LOCK_WAIT"})
     # a source message (a Debezium line, a Kafka value) longer than this is rejected unparsed (sources/debezium_json.py)
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"env": "PARTFIN_MAX_MESSAGE_BYTES"})
     # the sensor / schedule kinds started on, comma separated; unset: all, empty: none

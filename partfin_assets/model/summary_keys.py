@@ -102,7 +102,7 @@ MERGED_TAG = "partfin-base-merged"  # on cdc.<table>: the snapshot base.<table> 
 
 # writers and progress streams of cdc.<table> (iceberg/streams.py): one property per writer / stream
 PROP_WRITER_PREFIX = "partfin.writer."  # + writer id: JSON {"checkpoint", "offset"}, the committed position
-PROP_STREAM_PREFIX = "partfin.stream."  # + stream id: JSON {"writer", "progress", "seen", "state", "since"}
+PROP_STREAM_PREFIX = "partfin.stream."  # + stream id: JSON {"writer", "progress", "seen", "state", "since", "steady"}
 PROP_WRITER_CLOCK_PREFIX = "partfin.writer-clock."  # + writer id: JSON {"ahead-of", "ahead-by-s", "found"}: its clock found ahead
 PROP_STREAMS_IDLE_TIMEOUT = "partfin.streams.idle-timeout"  # e.g. 15m (default): a stream silent this long stops holding the watermark
 

@@ -48,6 +48,15 @@ _SIMPLE_TYPES = {
 }
 
 
+# How a decimal column's values are written in JSON without a schema block (a Debezium/Kafka Connect message with
+# schemas.enable=false), where a string could be either: `base64`, a Connect Decimal's unscaled two's-complement
+# big-endian bytes (JsonConverter's default decimal.format=BASE64 with Debezium's default decimal.handling.mode=precise);
+# `numeric`, a JSON number (decimal.format=NUMERIC) or decimal text in a string (decimal.handling.mode=string).
+# Declared after the type, `decimal128(12, 2) numeric`; a decimal declared without one has the default.
+DECIMAL_ENCODINGS = ("base64", "numeric")
+DEFAULT_DECIMAL_ENCODING = "base64"
+
+
 def type_to_text(data_type: pa.DataType) -> str:
     """A declared column type as text: a simple type, decimal128(p, s), or a struct of those (geometry)."""
     if pa.types.is_struct(data_type):
@@ -71,6 +80,23 @@ def type_from_text(text: str) -> pa.DataType:
     if text.startswith("struct<") and text.endswith(">"):
         return pa.struct([_struct_field(item) for item in _top_level_items(text[len("struct<") : -1])])
     raise InvalidInput(f"column type {text!r} is not supported in a table declaration")
+
+
+def column_from_text(text: str) -> tuple[pa.DataType, str | None]:
+    """A declared column's type text: its type, and the decimal encoding written after it (`decimal128(12, 2) numeric`)."""
+    head, space, encoding = text.rpartition(" ")
+    if space and encoding in DECIMAL_ENCODINGS:
+        data_type = type_from_text(head)
+        if not pa.types.is_decimal(data_type):
+            raise InvalidInput(f"column type {text!r}: only a decimal has an encoding ({', '.join(DECIMAL_ENCODINGS)})")
+        return data_type, encoding
+    return type_from_text(text), None
+
+
+def column_to_text(data_type: pa.DataType, encoding: str | None) -> str:
+    """The inverse of `column_from_text`: the default encoding is not written."""
+    text = type_to_text(data_type)
+    return f"{text} {encoding}" if encoding not in (None, DEFAULT_DECIMAL_ENCODING) else text
 
 
 def _struct_field(item: str) -> pa.Field:
@@ -102,9 +128,17 @@ class TableSpec:
     # None: not declared (a new table gets the default; an existing one keeps its own). A declaration that differs
     # from the table's takes effect with the next writer, as a recorded policy change (watermark/change.py).
     watermark_policy: str | None = None
+    # Decimal columns whose schemaless JSON is not in the default encoding, e.g. {"amount": "numeric"} (DECIMAL_ENCODINGS)
+    decimal_encodings: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_table_name(self.name)
+        for column, encoding in self.decimal_encodings.items():
+            if encoding not in DECIMAL_ENCODINGS:
+                raise InvalidInput(f"table {self.name!r}: column {column!r}: decimal encoding {encoding!r} is not one of "
+                                   f"{', '.join(DECIMAL_ENCODINGS)}")
+            if not pa.types.is_decimal(self.columns.get(column, pa.null())):
+                raise InvalidInput(f"table {self.name!r}: column {column!r} has a decimal encoding but is not a declared decimal")
         if not self.primary_key:
             raise InvalidInput(f"table {self.name!r} declares no primary key")
         missing = [c for c in self.primary_key if self.columns and c not in self.columns]
@@ -118,7 +152,8 @@ class TableSpec:
         declared = {WATERMARK_POLICY.key: self.watermark_policy} if self.watermark_policy is not None else {}
         return {
             PROP_PRIMARY_KEY: ",".join(self.primary_key),
-            PROP_COLUMNS: json.dumps({n: type_to_text(t) for n, t in self.columns.items()}, separators=(",", ":")),
+            PROP_COLUMNS: json.dumps({n: column_to_text(t, self.decimal_encodings.get(n)) for n, t in self.columns.items()},
+                                     separators=(",", ":")),
             **declared,
         }
 
@@ -126,12 +161,13 @@ class TableSpec:
     def from_properties(cls, name: str, properties: Mapping[str, str]) -> TableSpec:
         if PROP_PRIMARY_KEY not in properties:
             raise InvalidInput(f"cdc.{name} carries no table declaration (property {PROP_PRIMARY_KEY}); ingest with partfin first")
-        columns = json.loads(properties.get(PROP_COLUMNS) or "{}")
+        columns = {n: column_from_text(t) for n, t in json.loads(properties.get(PROP_COLUMNS) or "{}").items()}
         return cls(
             name=name,
             primary_key=tuple(properties[PROP_PRIMARY_KEY].split(",")),
-            columns={n: type_from_text(t) for n, t in columns.items()},
+            columns={n: data_type for n, (data_type, _) in columns.items()},
             watermark_policy=properties.get(WATERMARK_POLICY.key),  # partfin writes it with every cdc table
+            decimal_encodings={n: encoding for n, (_, encoding) in columns.items() if encoding is not None},
         )
 
     @property

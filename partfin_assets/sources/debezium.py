@@ -98,7 +98,8 @@ class DebeziumFileSource(ReplayableSource, DiscoversColumns):
         self._sleep = sleep
         self._monotonic = monotonic
         table = spec.name if spec is not None else self.path.stem
-        self.decoder = DebeziumJsonDecoder(table, key_columns, spec.columns if spec is not None else None)
+        self.decoder = DebeziumJsonDecoder(table, key_columns, spec.columns if spec is not None else None,
+                                           decimal_encodings=spec.decimal_encodings if spec is not None else None)
         self._first_line_crc32: str | None = None
 
     def identity(self, offset: str | None) -> SourceIdentity:
@@ -141,6 +142,9 @@ class DebeziumFileSource(ReplayableSource, DiscoversColumns):
     def column_types(self) -> dict[str, pa.DataType] | None:
         """Column types from the schema blocks read so far, else the spec's; None if neither."""
         return self.decoder.column_types()
+
+    def decimal_encodings(self) -> dict[str, str]:
+        return self.decoder.decimal_encodings()
 
     def batches(self, start_offset: str | None, max_records: int) -> Iterator[ChangeBatch]:
         if max_records < 1:
@@ -346,7 +350,7 @@ def debezium_table_spec(path: str | Path, name: str, primary_key: tuple[str, ...
                         f"(columns: {', '.join(columns)}); give --primary-key one of them"
                     )
                 if usable:
-                    spec = TableSpec(name, primary_key, columns)
+                    spec = TableSpec(name, primary_key, columns, decimal_encodings=decoder.decimal_encodings())
                     spec.to_properties()  # every type must be declarable: fail here, not after a commit
                     return spec
     if first_rejected is not None and not usable:
@@ -357,7 +361,7 @@ def debezium_table_spec(path: str | Path, name: str, primary_key: tuple[str, ...
     if not usable and complete:
         raise SourceError(f"{file_path} holds no change event yet: nothing to ingest and nothing was created "
                           "(cdc.<table> is created with the file's first change; --follow waits for it)")
-    return TableSpec(name, primary_key, decoder.column_types() or {})
+    return TableSpec(name, primary_key, decoder.column_types() or {}, decimal_encodings=decoder.decimal_encodings())
 
 
 _TAIL_BYTES = 1024  # checked before every read: a rotated, truncated or rewritten file is seen at once

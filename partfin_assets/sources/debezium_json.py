@@ -18,6 +18,7 @@ than MAX_NESTING_DEPTH is rejected before the parser could exhaust Python's recu
 that is no UTF-8 text (a lone surrogate escape such as `\\ud800`) is rejected before a library
 meets it; and any other exception while decoding one message rejects that message, naming the
 exception (a warning is logged the first time an exception type is met: it may be a partfin bug).
+A UTF-8 byte-order mark before the JSON (a file's first line written by a Windows tool) is ignored.
 
 JSON is parsed without going through float: JSON numbers with a fraction or exponent become
 `Decimal`, so decimals sent as numbers (`decimal.format=NUMERIC`) stay exact.
@@ -35,7 +36,11 @@ message's schema types differently is converted when that loses nothing (int32 -
 double, a zoneless timestamp into a timestamptz column as UTC, as older partfin declared it) and
 otherwise rejected naming the column; a declared column the message's schema lacks (dropped at
 the source) is null; a column the declaration lacks stays in the payload (cdc keeps it) and is
-named in one warning. Messages without a schema block are typed by the declaration alone.
+named in one warning. Messages without a schema block are typed by the declaration alone; a
+decimal column's JSON is then read only in the column's declared encoding (`base64` bytes, the
+default, or `numeric`: model/tablespec.py DECIMAL_ENCODINGS), never guessed from how it looks
+("1234" is valid base64 and decimal text), and a table declared from schema blocks records the
+encoding of a Connect Decimal's first value (`decimal_encodings`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import pyarrow as pa
 from partfin_assets.model.errors import PartfinConfigError, PartfinError, SourceError, one_line
 from partfin_assets.model.records import UTC_US, VALID_OPS, implausible_event_time
 from partfin_assets.model.settings import Settings
+from partfin_assets.model.tablespec import DEFAULT_DECIMAL_ENCODING
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso
 
 log = logging.getLogger(__name__)
@@ -73,11 +79,13 @@ _INT_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 -
 _NON_FINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _FLOAT32_MAX = 3.4028234663852886e38
 _EXACT = Context(prec=1_000, traps=[Inexact, InvalidOperation])  # rescaling that would round raises
+_DECIMAL_TEXT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # what Java's BigDecimal writes, no NaN/spaces/_
 _TIME_TEXT = re.compile(r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 # A Debezium envelope is under 10 levels deep (a struct column in the after-image in the payload);
 # Python's JSON parser and partfin's own recursive walks give out near 1,000 (RecursionError).
 MAX_NESTING_DEPTH = 64
 OVERSIZED_RAW_BYTES = 65_536  # of a message over the size limit, cdc.<table>__rejected keeps this much, as evidence
+UTF8_BOM = b"\xef\xbb\xbf"  # a byte-order mark: Windows tools write one at the start of a file
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 
@@ -193,7 +201,9 @@ def _unscaled(encoded: Any, scale: int) -> Decimal:
     try:
         raw = base64.b64decode(encoded, validate=True)
     except binascii.Error as exc:
-        raise ValueError(f"not base64 text ({exc})") from None
+        raise ValueError(f"{encoded!r} is not base64 ({exc})") from None
+    if not raw:  # Connect writes at least one byte (BigInteger.toByteArray): an empty string is no number, not zero
+        raise ValueError("empty base64 text: no bytes, no number")
     return Decimal(f"{int.from_bytes(raw, 'big', signed=True)}E-{scale}")
 
 
@@ -221,18 +231,33 @@ def _variable_scale_decimal(value: Any) -> str:
     return _decimal_text(_unscaled(value["value"], _integer(value["scale"])), None, None)
 
 
-def _declared_decimal(scale: int, precision: int) -> Normalize:
-    """Schemaless messages: decimal text, a JSON number, or a Connect Decimal's base64 bytes."""
+def _declared_decimal(scale: int, precision: int, encoding: str) -> Normalize:
+    """Schemaless messages: a decimal in the column's declared encoding (model/tablespec.py DECIMAL_ENCODINGS), only.
 
-    def normalize(value: Any) -> str:
+    A string such as "1234" is both valid base64 and decimal text: read any other way than declared, it would be
+    another number, silently. So a value is read in the declared encoding or rejected, never guessed.
+    """
+
+    def base64_bytes(value: Any) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"{'a JSON number (' + _json_text(value) + ')' if _is_number(value) else repr(value)} is not "
+                             "base64 text, the column's declared decimal encoding (a Connect Decimal's bytes); a column "
+                             "sent as numbers (decimal.format=NUMERIC) is declared numeric")
+        return _decimal_text(_unscaled(value, scale), scale, precision)
+
+    def numeric(value: Any) -> str:
         if isinstance(value, str):
-            try:
-                return _decimal_text(Decimal(value), scale, precision)
-            except InvalidOperation:
-                return _decimal_text(_unscaled(value, scale), scale, precision)
+            if not _DECIMAL_TEXT.fullmatch(value):
+                raise ValueError(f"{value!r} is not decimal text, as the column's declared decimal encoding (numeric) "
+                                 "needs; a Connect Decimal's base64 bytes are read in a column declared base64")
+            return _decimal_text(Decimal(value), scale, precision)
         return _decimal_text(_as_decimal(value), scale, precision)
 
-    return normalize
+    return base64_bytes if encoding == "base64" else numeric
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | Decimal) and not isinstance(value, bool)
 
 
 def _date_from_days(value: Any) -> str:
@@ -402,6 +427,7 @@ class Column:
     type: pa.DataType
     normalize: Normalize
     unknown: str | None = None  # the Debezium type partfin does not know (kept as text)
+    connect_decimal: bool = False  # a Connect Decimal column: base64 bytes or a JSON number (decimal.format)
 
 
 def connect_column(field: Mapping[str, Any]) -> Column:
@@ -415,7 +441,7 @@ def connect_column(field: Mapping[str, Any]) -> Column:
         precision = int(precision) if precision is not None else MAX_DECIMAL_PRECISION
         if max(precision, scale) > MAX_DECIMAL_PRECISION:
             return Column(pa.string(), _connect_decimal(scale, None))  # exact text: Iceberg stops at 38 digits
-        return Column(pa.decimal128(max(precision, scale), scale), _connect_decimal(scale, max(precision, scale)))
+        return Column(pa.decimal128(max(precision, scale), scale), _connect_decimal(scale, max(precision, scale)), connect_decimal=True)
     if name in _LOGICAL:
         return Column(*_LOGICAL[name])
     if name is None and connect_type in _PRIMITIVES:
@@ -424,8 +450,8 @@ def connect_column(field: Mapping[str, Any]) -> Column:
     return Column(pa.string(), _as_text, unknown=described)
 
 
-def declared_column(data_type: pa.DataType) -> Normalize:
-    """How a message without a schema block is normalized for a declared column type."""
+def declared_column(data_type: pa.DataType, decimal_encoding: str = DEFAULT_DECIMAL_ENCODING) -> Normalize:
+    """How a message without a schema block is normalized for a declared column type (a decimal: in its encoding)."""
     if pa.types.is_integer(data_type):
         return _ranged_integer(pa.int64() if pa.types.is_int64(data_type) else pa.int32())
     if pa.types.is_floating(data_type):
@@ -443,7 +469,7 @@ def declared_column(data_type: pa.DataType) -> Normalize:
     if pa.types.is_timestamp(data_type):
         return _zoned_declared if data_type.tz else _zoneless_text
     if pa.types.is_decimal(data_type):
-        return _declared_decimal(data_type.scale, data_type.precision)
+        return _declared_decimal(data_type.scale, data_type.precision, decimal_encoding)
     if pa.types.is_struct(data_type):
         return _struct({data_type.field(i).name: declared_column(data_type.field(i).type) for i in range(data_type.num_fields)})
     raise ValueError(f"column type {data_type} has no JSON mapping")
@@ -479,6 +505,7 @@ class _Columns:
     normalizers: dict[str, Normalize]
     missing: tuple[str, ...] = ()  # declared columns the message's schema lacks: null
     conflict: str | None = None  # why messages of this schema cannot fit the declaration
+    connect_decimals: tuple[str, ...] = ()  # Connect Decimal columns discovered from this schema (no declaration)
 
     def normalize(self, image: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -506,6 +533,7 @@ class DebeziumJsonDecoder:
 
     `primary_key`: the key columns, read from the after-image (the before-image for deletes).
     `declared`: the table's typed columns, if it has a declaration; None while it has none.
+    `decimal_encodings`: how its decimal columns are written without a schema block (TableSpec.decimal_encodings).
     `max_message_bytes`: the size limit (default PARTFIN_MAX_MESSAGE_BYTES). `warn=False`: a decoder
     that only looks ahead (a new table's declaration) leaves the warnings to the one that reads.
     """
@@ -517,6 +545,7 @@ class DebeziumJsonDecoder:
         declared: Mapping[str, pa.DataType] | None = None,
         max_message_bytes: int | None = None,
         *,
+        decimal_encodings: Mapping[str, str] | None = None,
         warn: bool = True,
     ) -> None:
         if not primary_key:
@@ -530,7 +559,13 @@ class DebeziumJsonDecoder:
         self._by_schema: dict[str, _Columns] = {}
         self._by_prefix: dict[bytes, _Columns] = {}  # the raw schema block before ',"payload":'
         self._discovered: dict[str, pa.DataType] = {}
-        self._schemaless = _Columns({name: declared_column(t) for name, t in (self.declared or {}).items()})
+        self._declared_encodings = dict(decimal_encodings or {}) if self.declared else {}
+        # the JSON form of each discovered Connect Decimal in the first change: how schemaless messages will encode it
+        self._discovered_encodings: dict[str, str] = {}
+        self._schemaless = _Columns({
+            name: declared_column(t, self._declared_encodings.get(name, DEFAULT_DECIMAL_ENCODING))
+            for name, t in (self.declared or {}).items()
+        })
         self._warn_enabled = warn
         self._warned: set[str] = set()
         self._unexpected: set[type] = set()  # exception types already logged as a possible partfin bug
@@ -541,6 +576,13 @@ class DebeziumJsonDecoder:
         if self.declared:
             return dict(self.declared)
         return dict(self._discovered) or None
+
+    def decimal_encodings(self) -> dict[str, str]:
+        """The decimal encodings of `column_types()`'s columns that are not the default (a Connect Decimal that is a
+        JSON number in the first change decoded, decimal.format=NUMERIC, is `numeric`: schemaless messages send numbers)."""
+        if self.declared:
+            return dict(self._declared_encodings)
+        return {name: encoding for name, encoding in self._discovered_encodings.items() if encoding != DEFAULT_DECIMAL_ENCODING}
 
     def decode(self, value: bytes | str | None) -> DecodedChange | DecodedHeartbeat | None:
         if value is None:
@@ -562,6 +604,7 @@ class DebeziumJsonDecoder:
             raise RejectedMessage(f"cannot be decoded: {one_line(exc)}") from None
 
     def _decode(self, raw: bytes) -> DecodedChange | DecodedHeartbeat | None:
+        raw = raw.removeprefix(UTF8_BOM)  # not part of the JSON text (RFC 8259 lets a parser ignore it)
         if not raw.strip():
             return None  # an empty value, or a blank line
         # Every message of a topic repeats the same schema block: once it is known, only the
@@ -621,6 +664,7 @@ class DebeziumJsonDecoder:
 
     def _columns(self, fields: list[dict[str, Any]]) -> _Columns:
         normalizers: dict[str, Normalize] = {}
+        connect_decimals: list[str] = []  # discovered (no declaration yet): their first value says their encoding
         conflicts = []
         for field in fields:
             name = field.get("field")
@@ -632,6 +676,8 @@ class DebeziumJsonDecoder:
             if self.declared is None:
                 self._discovered.setdefault(name, column.type)
                 normalizers[name] = column.normalize
+                if column.connect_decimal:
+                    connect_decimals.append(name)
                 continue
             declared = self.declared.get(name)
             if declared is None:
@@ -645,7 +691,7 @@ class DebeziumJsonDecoder:
             normalizers[name] = _then(column.normalize, convert)
         present = {f.get("field") for f in fields}
         missing = tuple(name for name in self.declared or {} if name not in present)
-        return _Columns(normalizers, missing, "; ".join(conflicts) or None)
+        return _Columns(normalizers, missing, "; ".join(conflicts) or None, tuple(connect_decimals))
 
     def _change(self, envelope: dict[str, Any], columns: _Columns) -> DecodedChange:
         op = envelope.get("op")
@@ -670,6 +716,9 @@ class DebeziumJsonDecoder:
         missing = [name for name in self.primary_key if normalized.get(name) is None]
         if missing:
             raise RejectedMessage(f"missing key column(s) {', '.join(map(repr, missing))} in {image_name!r}")
+        for name in columns.connect_decimals:  # the first change decoded says the encoding (null: the default)
+            value = image.get(name)
+            self._discovered_encodings.setdefault(name, DEFAULT_DECIMAL_ENCODING if value is None or isinstance(value, str) else "numeric")
         key_values = {name: normalized[name] for name in self.primary_key}
         payload = None if op == "d" else json.dumps(normalized, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         for text in (payload, *key_values.values()):

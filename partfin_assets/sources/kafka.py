@@ -14,8 +14,9 @@ BOOTSTRAP is librdkafka's `bootstrap.servers`; after `#` come the topic and opti
   `ssl.ca.location=/etc/ssl/kafka-ca.pem`, `session.timeout.ms=10000`, ...).
 
 Secrets never go in the spec (it is recorded in every checkpoint and shown in the UI): a property
-whose name says password, secret or key material (`sasl.password`, `ssl.key.password`,
-`sasl.oauthbearer.client.secret`, `ssl.key.pem`, ...) is refused there and comes from the
+whose name says password, passphrase, secret, credentials or private-key material (`sasl.password`,
+`ssl.key.password`, `sasl.oauthbearer.client.secret`, `sasl.oauthbearer.assertion.private.key.passphrase`,
+`ssl.key.pem`, ...: a rule over the name, model/redaction.py's secret words) is refused there and comes from the
 environment instead: `PARTFIN_KAFKA_<NAME>` with dots as `_` (`PARTFIN_KAFKA_SASL_PASSWORD` is
 `sasl.password`; `__` stands for a literal `_`). Any property may come that way; the environment
 wins. Values from the environment are redacted in every error and log line.
@@ -82,7 +83,7 @@ from partfin_assets.model.records import (
     ReadsPartitions,
     implausible_event_time,
 )
-from partfin_assets.model.redaction import MASK, redact
+from partfin_assets.model.redaction import MASK, SECRET_NAME_WORDS, redact
 from partfin_assets.model.settings import KAFKA_PREFIX, Settings
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity
 from partfin_assets.model.tablespec import TableSpec, new_table_key
@@ -94,8 +95,9 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = KAFKA_PREFIX
 # at most this many messages per fetch of what librdkafka already holds (see _fetch)
 _FETCH_MESSAGES = 500
-# property names whose values are secrets: only from the environment, always redacted
-_SECRET_PROPERTY = re.compile(r"password|secret|\.pem$|oauthbearer\.config|^ssl\.key\.|^ssl\.keystore\.", re.IGNORECASE)
+# property names whose values are secrets: only from the environment, always redacted. A rule over the name (any
+# secret word, then librdkafka's key material), not a list, so that a property librdkafka adds is covered too.
+_SECRET_PROPERTY = re.compile(rf"{SECRET_NAME_WORDS}|\.pem$|oauthbearer\.config|^ssl\.key\.|^ssl\.keystore\.", re.IGNORECASE)
 # properties partfin sets itself: resuming from the table's offsets depends on them
 _OWNED_PROPERTIES = {
     "group.id": "use the group=NAME option",
@@ -316,7 +318,7 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
             "error_cb": self._on_client_error,
             "logger": _ClientLog(self._redact),  # librdkafka's own lines: through logging, not raw onto stderr
         }
-        self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None)
+        self.decoder = DebeziumJsonDecoder(table.name, key_columns, table.columns or None, decimal_encodings=table.decimal_encodings)
         self._positions: dict[int, int] = {}  # next offset per partition: committed, plus what was yielded since
         self._assigned: set[int] | None = None  # None: no assignment yet
         self._at_end: set[int] = set()
@@ -341,6 +343,9 @@ class KafkaSource(CdcSource, AcknowledgesCommits, HoldsConnections, DiscoversCol
 
     def column_types(self) -> dict[str, pa.DataType] | None:
         return self.decoder.column_types()
+
+    def decimal_encodings(self) -> dict[str, str]:
+        return self.decoder.decimal_encodings()
 
     def _metadata(self):
         if self._consumer is None:

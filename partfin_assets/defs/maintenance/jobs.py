@@ -27,6 +27,7 @@ from typing import Any, Optional
 from dagster import (
     AssetObservation,
     Config,
+    Failure,
     In,
     Nothing,
     OpExecutionContext,
@@ -46,6 +47,7 @@ from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.model.errors import InvalidInput, first_line
 from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
 
 
@@ -145,8 +147,11 @@ def build_privacy_job(table: PartfinTable):
     def privacy_op(context: OpExecutionContext, config: PrivacyDeleteConfig, catalog: IcebergCatalogResource) -> None:
         erase_before = to_us(parse_iso(config.erase_before)) if config.erase_before else None
         iceberg = catalog.load()
-        with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
-            result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id, erased_before_us=erase_before)
+        try:
+            with retry_on_conflict(context, f"privacy delete {config.request_id} on {name}"):
+                result = privacy_core.privacy_delete(iceberg, name, config.keys, request_id=config.request_id, erased_before_us=erase_before)
+        except InvalidInput as exc:  # a key that is not exactly one key of the table: refused, nothing written
+            raise Failure(description=first_line(str(exc)), allow_retries=False) from None
         counts = result.deleted_by_table()
         context.log.info(
             f"privacy delete {config.request_id} ({len(config.keys)} key(s), changes up to {iso_z(result.erased_before_us or 0)}): "

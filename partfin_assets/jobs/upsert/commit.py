@@ -25,6 +25,7 @@ from partfin_assets.jobs.job import Job, JobResult
 from partfin_assets.jobs.upsert.merge import GroupMerge
 from partfin_assets.jobs.upsert.plan import MergePosition, merged_source_snapshot_id
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.faults import faults
 from partfin_assets.model.stats import compact_json
 from partfin_assets.model.timeutil import iso_z
 
@@ -85,6 +86,7 @@ def sync_merged_tag(catalog: Catalog, name: str, *, max_attempts: int = 10) -> i
         if cdc.metadata.snapshot_by_id(target) is None:
             log.warning("cdc.%s: merged snapshot %s already expired; not tagged", name, target)
             return None
+        faults().pause_point("merged-tag-commit")
         try:
             with cdc.manage_snapshots() as manage:
                 manage.create_tag(target, K.MERGED_TAG)

@@ -15,6 +15,7 @@ in turn in one process, or as one step each of a Dagster run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -121,9 +122,17 @@ def merged_source_snapshot_id(properties: dict[str, str]) -> int | None:
     return int(value) if value else None
 
 
-def plan_upsert(catalog: Catalog, spec: TableSpec, base: Table, *, max_groups: int | None = None) -> UpsertPlan | None:
-    """The plan of one run against `base` (as read); None when there is no new CDC snapshot."""
+def plan_upsert(
+    catalog: Catalog, spec: TableSpec, base: Table, *, max_groups: int | None = None, pin: Callable[[Table], Table] | None = None,
+) -> UpsertPlan | None:
+    """The plan of one run against `base` (as read); None when there is no new CDC snapshot.
+
+    `pin` (the job's `Job.pin`) is told the cdc.<table> snapshot the run reads: should expiry remove it while the run
+    reads it, the run is a conflict and re-runs from the then current head.
+    """
     cdc = catalog.load_table(spec.cdc_identifier)
+    if pin is not None:
+        pin(cdc)
     current = cdc.current_snapshot()
     previous_id = merged_source_snapshot_id(base.properties)
     if current is None or current.snapshot_id == previous_id:

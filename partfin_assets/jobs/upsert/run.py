@@ -111,7 +111,7 @@ def run_upsert(
     spec = TableSpec.from_properties(name, cdc.properties)
     ensure_base_table(catalog, spec)
     with Job.start(catalog, spec.base_identifier, JobKind.UPDATE_DELETE, job_id=job_id, before_commit=before_commit) as job:
-        plan = plan_upsert(catalog, spec, job.table)
+        plan = plan_upsert(catalog, spec, job.table, pin=job.pin)
         if plan is None:
             source_id = merged_source_snapshot_id(job.table.properties)
             sync_merged_tag(catalog, name)

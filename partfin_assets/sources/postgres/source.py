@@ -118,6 +118,9 @@ class PostgresSource(CdcSource, AcknowledgesCommits, HoldsConnections, Discovers
         """Arrow types of the table's columns, from the PostgreSQL catalog (as DebeziumFileSource's)."""
         return dict(self.table_info().types)
 
+    def decimal_encodings(self) -> dict[str, str]:
+        return {}  # its decimals come from the PostgreSQL catalog, not from JSON values: the default stands
+
     def table_spec(self, name: str | None = None) -> TableSpec:
         """A declaration of cdc.<name> from the database table: its key and column types."""
         info = self.table_info()
