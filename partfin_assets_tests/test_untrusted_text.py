@@ -95,6 +95,13 @@ def test_status_ack_and_privacy_delete_show_outside_text_escaped_on_its_own_line
     assert f"<td>{html.escape(terminal_text(HOSTILE_POLICY))}</td>" in facts
     assert (tmp_path / "report" / "orders.png").read_bytes().startswith(b"\x89PNG")
 
+    # a log line quoting the property (a declared policy replaces it) is one line too
+    declared = partfin(home, "ingest", "--table", "orders", "--source", STREAM, "--watermark-policy", POLICY)
+    assert declared.returncode == 0, declared.stderr
+    _assert_plain(declared.stderr)
+    (warning,) = [line for line in declared.stderr.splitlines() if "watermark policy declared" in line]
+    assert warning.endswith(f"(was {terminal_text(HOSTILE_POLICY)}): it takes effect with the next checkpoint")
+
 
 def test_ingest_on_a_terminal_shows_a_writer_id_holding_console_markup_as_written(tmp_path, kafka_cluster):
     """The live progress line on a terminal (rich) names a Kafka partition's stream, `<writer id>/<topic>-<partition>`:
