@@ -270,7 +270,7 @@ class _PartfinSqlCatalog(SqlCatalog):
             # It applied to the metadata the commit was built on, not to the current one: a concurrent commit changed
             # what it refers to (an expiry removed the snapshot a tag was to point at, or snapshots this expiry was to
             # remove). Nothing was written: a lost compare-and-set, retried on fresh metadata like any other.
-            raise CommitFailedException(f"{table.name()} changed under this commit: {first_line(str(exc))}") from exc
+            raise CommitFailedException(f"{'.'.join(table.name())} changed under this commit: {first_line(str(exc))}") from exc
         self._remember(response.metadata_location, response.metadata)
         return response
 
