@@ -2,12 +2,13 @@
 
 Six simulated streams (steady, a 90-minute shard outage, a 4-hour idle night with heartbeats,
 0.05 % of event clocks 2 days ahead, a connector 30 minutes behind for the middle half of the
-measured hours, a connector down for 3 hours that then re-reads its backlog 8x as fast; 3 events/s, 60 s checkpoints, 16 measured hours after 8 hours of history), each
-replayed through the policies with the writer's own policy code, against an oracle and two
-baselines tuned to the same late share. Prints one markdown table per stream (and per phase of the
-shift and the backfill) and the goal check for the default policy: late share <= 0.1 % (and in each phase of the
-shift but its first two hours), median lag <= 1.25x the oracle's, and, but for the shift, within 2 %
-of both baselines' lag at its own late share.
+measured hours, a connector down for 3 hours that then re-reads its backlog 8x as fast; 3 events/s,
+60 s checkpoints, 16 measured hours after 8 hours of history), each replayed through the policies
+with the writer's own policy code, against an oracle and two baselines tuned to the same late share.
+Prints one markdown table per stream (and per phase of the shift and the backfill) and the goal
+check for the default policy: late share <= 0.1 % (and in each phase of the shift but its first two
+hours), median lag <= 1.25x the oracle's, and, but for the shift, within 2 % of both baselines' lag
+at its own late share.
 
     python bench/bench_policy.py                      # all six streams
     python bench/bench_policy.py --scenarios steady --seed 7

@@ -337,7 +337,7 @@ def test_partfin_policy_lab_follows_a_connector_re_reading_its_backlog(tmp_path)
     print(lab.stdout)
     assert "| policy | before | backlog | after |" in lab.stdout
     rows = [line for line in lab.stdout.splitlines() if line.startswith("| `late-budget:0.001`")]
-    run, (before, backlog, after) = (float(rows[0].split("|")[2].strip().rstrip("%")) / 100,
+    run, (_, backlog, after) = (float(rows[0].split("|")[2].strip().rstrip("%")) / 100,
                                      [float(cell.strip().rstrip("%")) / 100 for cell in rows[1].split("|")[2:-1]])
     assert backlog <= 0.001 and after <= 0.001
     recommended = next(line for line in lab.stdout.splitlines() if line.startswith("recommended: "))
