@@ -1,15 +1,16 @@
-"""Bench: watermark policies on five simulated streams, through the policy lab (`partfin policy-lab --scenario`).
+"""Bench: watermark policies on six simulated streams, through the policy lab (`partfin policy-lab --scenario`).
 
-Five simulated streams (steady, a 90-minute shard outage, a 4-hour idle night with heartbeats,
+Six simulated streams (steady, a 90-minute shard outage, a 4-hour idle night with heartbeats,
 0.05 % of event clocks 2 days ahead, a connector 30 minutes behind for the middle half of the
-measured hours; 3 events/s, 60 s checkpoints, 16 measured hours after 8 hours of history), each
-replayed through the policies with the writer's own policy code, against an oracle and two
-baselines tuned to the same late share. Prints one markdown table per stream (and per phase of the
-shift) and the goal check for the default policy: late share <= 0.1 % (and in each phase of the
-shift but its first two hours), median lag <= 1.25x the oracle's, and, but for the shift, within 2 %
-of both baselines' lag at its own late share.
+measured hours, a connector down for 3 hours that then re-reads its backlog 8x as fast; 3 events/s,
+60 s checkpoints, 16 measured hours after 8 hours of history), each replayed through the policies
+with the writer's own policy code, against an oracle and two baselines tuned to the same late share.
+Prints one markdown table per stream (and per phase of the shift and the backfill) and the goal
+check for the default policy: late share <= 0.1 % (and in each phase of the shift but its first two
+hours), median lag <= 1.25x the oracle's, and, but for the shift, within 2 % of both baselines' lag
+at its own late share.
 
-    python bench/bench_policy.py                      # all five streams
+    python bench/bench_policy.py                      # all six streams
     python bench/bench_policy.py --scenarios steady --seed 7
 """
 
@@ -43,7 +44,8 @@ def main() -> int:
         print(report.table() + "\n")
         row = next(r for r in report.rows if r.outcome.name == DEFAULT_WATERMARK_POLICY)
         o = row.outcome
-        held = [share for name, share in o.phase_shares if not name.startswith("shift, first")]  # all but the onset
+        # the shift's phases but its onset are held to the budget; the backfill's are shown, the goal is over the run
+        held = [share for name, share in o.phase_shares if not name.startswith("shift, first")] if scenario == "shift" else []
         parity = scenario == "shift" or (o.median_lag_s <= 1.02 * row.fixed.median_lag_s and o.median_lag_s <= 1.02 * row.idle.median_lag_s)
         met = o.late_share <= 0.001 and all(share <= 0.001 for share in held) and o.lag_ratio <= 1.25 and parity
         phases = "".join(f", {name} {share:.3%}" for name, share in o.phase_shares)

@@ -541,7 +541,10 @@ def _policy_lab(args: argparse.Namespace) -> int:
     for line in [*report.table().splitlines(), ""]:
         _say(line)
     png, page = write_plot(report, lab, Path(args.out))
-    _say(f"recommended: {report.recommended} (the smallest median lag within {args.budget:.2%} late)")
+    recommended = next(row.outcome for row in report.rows if row.outcome.name == report.recommended)
+    why = (f"the smallest median lag within {args.budget:.2%} late" if recommended.late_share <= args.budget
+           else f"none kept within {args.budget:.2%} late: the fewest late records")
+    _say(f"recommended: {report.recommended} ({why})")
     _say(f"plot: {png} and {page}")
     return 0
 

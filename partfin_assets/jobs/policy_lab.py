@@ -1,7 +1,7 @@
 """The policy lab: how early and how right each watermark policy would have finalized a table's hours.
 
 Input is a late-data ledger (iceberg/ledger.py): the table's recorded one (`partfin policy-lab
---table T`), or one built by `simulate` for a scenario (steady, outage, idle, bad-clocks) with the
+--table T`), or one built by `simulate` for a scenario (steady, outage, idle, bad-clocks, shift, backfill) with the
 ledger's own row builder, so a user can try policies before having history. Each policy is
 replayed checkpoint by checkpoint with the code the writer runs (the policy's state and candidate, the
 step of watermark/step.py, the stream minimum of the watermark processor), so
@@ -43,11 +43,16 @@ from partfin_assets.watermark.policy import LEARN_MATURITY_US
 from partfin_assets.watermark.registry import parse_policy, policy_for_budget
 from partfin_assets.watermark.step import advance, stream_progress, window_of
 
-SCENARIOS = ("steady", "outage", "idle", "bad-clocks", "shift")
+SCENARIOS = ("steady", "outage", "idle", "bad-clocks", "shift", "backfill")
 # the `shift` scenario: a connector falls behind by 30 minutes (the body of the lateness, median 20 s, ~90x longer; its
 # tail as much later) over the middle half of the measured hours, then recovers
 SHIFT_LAG_S = 1800.0
 SHIFT_ONSET_HOURS = 2  # the phase a policy may need to see the shift: not held to the budget on its own
+# the `backfill` scenario: the connector stops for 3 hours (no records, no heartbeats), then re-reads its backlog in
+# arrival order 8x faster than it was written until it has caught up with the live stream (after about 26 minutes)
+BACKFILL_DOWN_HOURS = 3
+BACKFILL_SPEED = 8
+MIN_HOURS = {"shift": 4, "backfill": BACKFILL_DOWN_HOURS + 2}  # measured hours a scenario needs (others: 1)
 DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
                     "percentile:0.001:last:30m")
 
@@ -90,12 +95,19 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     no events for 4 hours from the 6th measured hour on (the source sends heartbeats); `bad-clocks` --
     0.05 % of the events carry event times 2 days ahead; `shift` -- a connector falls behind: the events of the
     middle half of the measured hours (hours 4 to 11 of 16) arrive 30 minutes later, then it recovers; measured
-    per phase too (before, the shift's first two hours, the rest of the shift, after recovery).
+    per phase too (before, the shift's first two hours, the rest of the shift, after recovery); `backfill` -- a
+    connector that catches up: from the measured hour hours // 4 on it is down for 3 hours (nothing arrives, not even a
+    heartbeat: the writer commits nothing), then it re-reads what arrived meanwhile, in arrival order, 8 times as fast,
+    until it has caught up with the live stream (about 26 minutes later); its first records are 3 hours behind, a gap
+    that closes as it reads. The backfilled hours are not final yet (nothing told the table they were): a policy
+    should hold them until the backlog delivers them, then follow it. Measured per phase too (before, the backlog's
+    event hours, after). A replay of hours the table had already finalized is another thing: its records are late by
+    nature, whatever the policy.
     """
     if scenario not in SCENARIOS:
         raise InvalidInput(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
-    if hours < (4 if scenario == "shift" else 1):
-        raise InvalidInput(f"--hours {hours}: the {scenario} scenario measures at least {4 if scenario == 'shift' else 1} hour(s)")
+    if hours < MIN_HOURS.get(scenario, 1):
+        raise InvalidInput(f"--hours {hours}: the {scenario} scenario measures at least {MIN_HOURS.get(scenario, 1)} hour(s)")
     rng = np.random.default_rng(seed)
     measure_from = SIM_START_US + history_hours * US_PER_HOUR
     measure_to = measure_from + hours * US_PER_HOUR
@@ -121,6 +133,15 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
         down_to = down_from + 90 * MINUTE_US
         held = (rng.random(event.size) < 0.25) & (arrival >= down_from) & (arrival < down_to)
         arrival[held] = down_to + rng.integers(0, 5 * MINUTE_US, int(held.sum()))
+    silent_from = silent_to = end  # commit clocks at which the writer commits nothing
+    if scenario == "backfill":
+        silent_from = measure_from + hours // 4 * US_PER_HOUR
+        silent_to = silent_from + BACKFILL_DOWN_HOURS * US_PER_HOUR
+        # read from where it stopped at BACKFILL_SPEED x real time: it reaches the live stream when both meet
+        caught_up = silent_from + (silent_to - silent_from) * BACKFILL_SPEED // (BACKFILL_SPEED - 1)
+        backlog = (arrival >= silent_from) & (arrival < caught_up)
+        arrival[backlog] = silent_to + (arrival[backlog] - silent_from) // BACKFILL_SPEED
+        phases = (("before", measure_from, silent_from), ("backlog", silent_from, silent_to), ("after", silent_to, measure_to))
     if scenario == "bad-clocks":
         ahead = rng.random(event.size) < 0.0005
         event = event + np.where(ahead, 2 * 24 * US_PER_HOUR, 0)
@@ -136,6 +157,8 @@ def simulate(scenario: str, *, hours: int = 16, history_hours: int = 8, rate: fl
     for i in range(bounds.size - 1):
         clock = SIM_START_US + (i + 1) * step
         start, stop = int(bounds[i]), int(bounds[i + 1])
+        if stop == start and silent_from < clock <= silent_to:
+            continue
         checkpoint = Checkpoint("lab", "lab", i + 1, i + 1, i + 1, clock, None, {}, None if stop > start else clock)
         tables.append(checkpoint_rows(checkpoint, event[start:stop]))
     rows = pl.from_arrow(pa.concat_tables(tables))
