@@ -126,6 +126,7 @@ def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
     # only PartfinError is the user's to fix (one line, exit 2); any other exception, a ValueError
     # included, is a bug: its traceback and exit 1
     from partfin_assets import cli
+    from partfin_assets.cli import tables
     from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     def broken_upsert(catalog, table):
@@ -133,7 +134,7 @@ def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("PARTFIN_HOME", str(tmp_path))
     load_partfin_catalog(tmp_path)  # a catalog there (upsert creates none)
-    monkeypatch.setattr(cli, "run_upsert", broken_upsert)
+    monkeypatch.setattr(tables, "run_upsert", broken_upsert)
     assert cli.main(["upsert", "--table", "orders"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "ValueError: an invariant partfin broke" in err and "partfin: error" not in err

@@ -13,7 +13,7 @@
   jobs/maintenance.py; the hard erase of a privacy request); files younger than `orphan_min_age_seconds`
   are never deleted.
 
-`partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli.py) call the same job functions
+`partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli/tables.py) call the same job functions
 with the same conflict retry policy, in process.
 
 Every op that can lose a race (CommitConflictError) is retried from a fresh snapshot, bounded
