@@ -20,6 +20,7 @@ import polars as pl
 from partfin_assets.finalization.hours import hour_key, is_finalized
 from partfin_assets.iceberg.ledger import hour_totals
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, format_duration, iso_z, parse_iso, to_us
 
 
@@ -161,7 +162,7 @@ def checkpoint_facts(summary: Mapping[str, str], committed_at_us: int) -> dict[s
     latency = round((committed_at_us - to_us(parse_iso(newest))) / US_PER_SECOND, 3) if newest else None
     checkpoint = summary.get(K.CHECKPOINT_ID)
     return {
-        "checkpoint_id": int(checkpoint) if checkpoint else None,
+        "checkpoint_id": id_text(int(checkpoint)) if checkpoint else None,
         "records": int(summary.get(K.EVENT_TIME_COUNT, "0")),
         "late_records": int(summary.get(K.LATE_RECORDS, "0")),
         "watermark": summary.get(K.WATERMARK),

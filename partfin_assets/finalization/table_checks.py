@@ -30,6 +30,7 @@ from partfin_assets.iceberg.ledger import hour_totals, read_ledger
 from partfin_assets.iceberg.history import lineage, recorded_watermark, total_records, watermark_history, watermark_of
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.watermark.registry import table_policy
@@ -144,7 +145,7 @@ def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
         metadata={
             "snapshots_checked": len(history),
             "watermark": _iso(prop),
-            "regressions": [{"from_snapshot": a.snapshot_id, "from": iso_z(a.watermark_us), "to_snapshot": b.snapshot_id,
+            "regressions": [{"from_snapshot": id_text(a.snapshot_id), "from": iso_z(a.watermark_us), "to_snapshot": id_text(b.snapshot_id),
                              "to": iso_z(b.watermark_us)} for a, b in regressions[:MAX_LISTED]],
         },
     )
@@ -278,7 +279,7 @@ def base_matches_cdc(catalog: Catalog, name: str) -> CheckOutcome:
     return CheckOutcome(
         passed=expected == actual,
         description=f"base watermark {actual}, watermark in force at merged cdc snapshot {source_id} {expected}",
-        metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id},
+        metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": id_text(source_id)},
     )
 
 

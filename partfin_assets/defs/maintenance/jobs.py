@@ -46,6 +46,7 @@ from partfin_assets.jobs import compaction as compaction_core
 from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
 
 
@@ -78,7 +79,7 @@ def _compact_op(table: PartfinTable, layer: str):
         context.log.info(result.describe())
         metadata = {
             "iceberg_table": identifier,
-            "snapshot_id": result.snapshot_id,
+            "snapshot_id": id_text(result.snapshot_id),
             "partitions_compacted": len(result.partitions),
             "files_before": result.files_before,
             "files_after": result.files_after,
@@ -161,7 +162,7 @@ def build_privacy_job(table: PartfinTable):
                         "iceberg_table": identifier,
                         "deleted_records": counts[identifier],
                         "files_rewritten": sum(r.files_rewritten for r in results),
-                        "snapshot_ids": [r.snapshot_id for r in results],
+                        "snapshot_ids": [id_text(r.snapshot_id) for r in results],
                         "keys": len(config.keys),
                         "erased_before": iso_z(result.erased_before_us or 0),
                     },
