@@ -12,6 +12,7 @@ it. Each value is decoded as a browser decodes it: JSON numbers (and Int entries
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from dagster import AssetKey, DagsterInstance
@@ -29,7 +30,10 @@ ENTRY = """metadataEntries { label __typename ... on IntMetadataEntry { intRepr 
 EVENTS = f"""query ($path: [String!]!) {{ assetOrError(assetKey: {{path: $path}}) {{ ... on Asset {{
   assetMaterializations(limit: 1000) {{ partition {ENTRY} }}
   assetObservations(limit: 1000) {{ {ENTRY} }} }} }} }}"""
+CHECKS = """query ($path: [String!]!, $check: String!) { assetCheckExecutions(assetKey: {path: $path}, checkName: $check, limit: 100) {
+  evaluation { ENTRY } } }""".replace("ENTRY", ENTRY)
 EXACT_IN_A_BROWSER = 2**53
+SUB_SECOND_TIME = re.compile(r"\d{2}:\d{2}:\d{2}\.\d+Z")  # 2026-11-01T01:00:07.250000Z: noise on a page people read
 
 
 def as_a_browser_reads(entry: dict):
@@ -96,6 +100,9 @@ def test_every_id_the_ui_shows_is_the_iceberg_id_exactly(pipeline):
             assert events, key
             shown[key.to_user_string()] = [({e["label"]: as_a_browser_reads(e) for e in event["metadataEntries"]}, layer)
                                            for event in events]
+        checks = {label: as_a_browser_reads(e) for key, check in (("cdc_orders", "watermark_fresh"), ("base_orders", "watermark_lag_vs_cdc"))
+                  for execution in execute_dagster_graphql(context, CHECKS, variables={"path": [key], "check": check}).data["assetCheckExecutions"]
+                  for e in execution["evaluation"]["metadataEntries"] for label in [f"{key} {check} {e['label']}"]}
     checked = {}
     for asset, events in shown.items():
         for entries, layer in events:
@@ -113,5 +120,10 @@ def test_every_id_the_ui_shows_is_the_iceberg_id_exactly(pipeline):
                 if label == "cdc_sequence_number" and value is not None:
                     assert int(value) in {s.sequence_number for s in cdc.metadata.snapshots}, (asset, label, value)
                     checked[label] = checked.get(label, 0) + 1
+    # no noise: a duration once, as text (not again in seconds), no constant limit plotted as a series, no microseconds
+    assert checks and not [label for label, value in checks.items() if label.endswith("_seconds") or isinstance(value, float)], checks
+    texts = [(asset, label, value) for asset, events in shown.items() for entries, _ in events for label, value in entries.items()
+             if isinstance(value, str)] + [("checks", label, value) for label, value in checks.items() if isinstance(value, str)]
+    assert not [t for t in texts if SUB_SECOND_TIME.search(t[2])], [t for t in texts if SUB_SECOND_TIME.search(t[2])][:5]
     print(f"ids read back exactly through GraphQL: {checked}")
     assert set(checked) == {"base_snapshot_id", "cdc_snapshot_id", "late_commits", "snapshot_id", "checkpoint_id", "cdc_sequence_number"}

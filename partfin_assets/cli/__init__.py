@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import getpass
 import pkgutil
+import re
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import NoReturn
 
 from partfin_assets.finalization.hours import parse_hour
@@ -116,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     maintain.add_argument("--table", required=True)
     maintain.add_argument("--keep-last", type=_option(_at_least_one), default=KEEP_LAST_SNAPSHOTS,
                           help=f"newest snapshots always kept, besides the watermark policy's window and writer positions (default {KEEP_LAST_SNAPSHOTS})")
-    maintain.add_argument("--orphan-min-age", type=_option(parse_duration), default=f"{MAINTENANCE_ORPHAN_AGE_S // 3600}h",
+    maintain.add_argument("--orphan-min-age", type=_option(_duration), default=f"{MAINTENANCE_ORPHAN_AGE_S // 3600}h",
                           help="never delete an unreferenced file younger than this: a running job may still commit it (default 24h)")
     maintain.add_argument("--dry-run", action="store_true", help="list orphan files without deleting them")
 
@@ -133,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     retire.add_argument("--stream", required=True, help="the stream id: a writer id (retires its partition streams too)")
     idle = stream_actions.add_parser("idle-timeout", help="show or set how long a silent stream holds the watermark")
     idle.add_argument("--table", required=True)
-    idle.add_argument("timeout", nargs="?", type=_option(parse_duration), help="e.g. 15m (the default), 2h, 90s")
+    idle.add_argument("timeout", nargs="?", type=_option(_duration), help="e.g. 15m (the default), 2h, 90s")
 
     late_data = commands.add_parser("late-data", help="late records of cdc.<table>: acknowledge those that need no re-run")
     late_actions = late_data.add_subparsers(dest="action", required=True)
@@ -167,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (`partfin: error: ...`, exit 2) like every other refusal."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # `-5m` is a (negative) value, not an unknown option: argparse only takes `-5` and `-0.5` for numbers, and
+        # answered `idle-timeout -5m` with "unrecognized arguments". No partfin option starts with a digit.
+        self._negative_number_matcher = re.compile(r"^-\d")
+
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("partfin").strip()
         self.exit(EXIT_USAGE, f"partfin: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
@@ -184,8 +192,14 @@ def _option(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def _duration(text: str) -> timedelta:
+    if text.strip().startswith("-"):
+        raise InvalidInput(f"a negative duration is refused: {text!r} (a duration is e.g. 90s, 15m, 2h)")
+    return parse_duration(text)
+
+
 def _seconds(text: str) -> float:
-    return parse_duration(text).total_seconds()
+    return _duration(text).total_seconds()
 
 
 def _at_least_one(text: str) -> int:

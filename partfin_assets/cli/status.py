@@ -10,24 +10,34 @@ from partfin_assets.finalization.hours import hour_from_key
 from partfin_assets.finalization.late_acks import acknowledge_late_hours
 from partfin_assets.finalization.status import all_table_status, stream_status
 from partfin_assets.finalization.table_checks import NEEDS_ATTENTION
-from partfin_assets.iceberg.catalog import NoCatalog, load_existing_table
+from partfin_assets.iceberg.catalog import CatalogConfig, NoCatalog, load_existing_table
 from partfin_assets.iceberg.streams import idle_timeout_us, retire_stream, set_idle_timeout
 from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.timeutil import US_PER_SECOND
 
 
+def where(config: CatalogConfig, settings: Settings) -> str:
+    """Which home and catalog a command read: the first thing to check when the tables are not the ones expected."""
+    home = f"{config.home} ({'PARTFIN_HOME' if settings.home else 'PARTFIN_HOME unset: ./.partfin'})"
+    return f"partfin home {home}, {config.describe()}"
+
+
 def status_command(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    config = CatalogConfig.from_env()
     try:
         # the downstream partitions' start as the code location reads it (a table declaring its own is not seen here)
-        statuses = all_table_status(existing_catalog(), hour_from_key(Settings.from_env().partitions_start or DEFAULT_PARTITIONS_START))
+        statuses = all_table_status(existing_catalog(), hour_from_key(settings.partitions_start or DEFAULT_PARTITIONS_START))
     except NoCatalog:
         statuses = []  # nothing ingested here yet: said below, and nothing is created
     if args.json:
-        print(json.dumps({"tables": [s.as_dict() for s in statuses]}, indent=2))
+        print(json.dumps({"home": str(config.home), "catalog": config.describe(), "tables": [s.as_dict() for s in statuses]}, indent=2))
         return 0
     if not statuses:
-        print("no partfin tables yet: run `partfin ingest --table T --source ...` first")
+        print(f"no partfin tables yet in {where(config, settings)}: run `partfin ingest --table T --source ...` first, "
+              "or set PARTFIN_HOME to the home they are in")
         return 0
+    print(where(config, settings))
     header = (
         f"{'table':<24} {'watermark':<22} {'finalized through':<22} {'policy':<22} {'checkpoint':>10} {'late':>8} "
         f"{'rejected':>9} {'quarantined':>11}"
