@@ -4,6 +4,7 @@ Each case is a fresh process as a user starts it (`python -m partfin_assets.cli 
 start to exit, with its peak RSS (os.wait4). Baselines measured in the same run, in turn with the cases:
 
 - `python -c pass`: the interpreter's own start-up, what no command can beat;
+- the import of the layers `status` reads with, reading nothing: the floor under `status`;
 - `--before PATH` (optional): the same cases run from another checkout, e.g. the code before a change
   (`git worktree add --detach /tmp/before <commit>`), printed as after / before.
 
@@ -56,10 +57,11 @@ def build_catalog(home: str, tables: int) -> None:
         run_upsert(catalog, spec.name)
 
 
-def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MB, exit code) of one process."""
+def timed(command: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS in MB, exit code) of one process, started in `cwd`: `python -m` puts its folder first
+    on the path, ahead of PYTHONPATH, so a process started in a checkout runs that checkout's code."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     return time.perf_counter() - start, usage.ru_maxrss / 1024, process.returncode
@@ -92,12 +94,15 @@ def main(argv: list[str] | None = None) -> None:
         sides = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(args.runs):  # every case and baseline in turn, run after run: the machine's noise hits them alike
-            wall, rss, _ = timed([sys.executable, "-c", "pass"], base_env)
+            wall, rss, _ = timed([sys.executable, "-c", "pass"], base_env, work)
             results.setdefault(("python -c pass", "-"), []).append((wall, rss))
+            # the floor under `status`: loading the layers it reads with (PyIceberg, PyArrow, SQLAlchemy, Polars), nothing read
+            wall, rss, _ = timed([sys.executable, "-c", "import partfin_assets.cli.status"], base_env | {"PYTHONPATH": str(REPO)}, work)
+            results.setdefault(("import of status's layers", "after"), []).append((wall, rss))
             for side, root in sides.items():
                 env = base_env | {"PYTHONPATH": str(root)}
                 for name, (cli_args, code) in CASES.items():
-                    wall, rss, exit_code = timed([sys.executable, "-m", "partfin_assets.cli", *cli_args], env)
+                    wall, rss, exit_code = timed([sys.executable, "-m", "partfin_assets.cli", *cli_args], env, work)
                     if exit_code != code:
                         raise SystemExit(f"{side}: partfin {' '.join(cli_args)} exited {exit_code}, not {code}")
                     results.setdefault((name, side), []).append((wall, rss))
@@ -106,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     start_s = median[("python -c pass", "-")][0]
     print(f"\n{'case':<34} {'side':<7} {'median s':>9} {'peak MB':>8} {'x python -c pass':>17} {'after / before':>15}")
     print(f"{'python -c pass':<34} {'-':<7} {start_s:>9.3f} {median[('python -c pass', '-')][1]:>8.0f} {1.0:>16.2f}x")
+    floor = "import of status's layers"
+    wall, rss = median[(floor, "after")]
+    print(f"{floor:<34} {'after':<7} {wall:>9.3f} {rss:>8.0f} {wall / start_s:>16.2f}x")
     for name in CASES:
         for side in sides:
             wall, rss = median[(name, side)]
