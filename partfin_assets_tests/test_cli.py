@@ -111,7 +111,13 @@ def test_every_bad_value_a_user_gives_is_one_line_and_exit_2(tmp_path):
     cases = {
         ("ingest", "--table", "orders", "--source", synthetic, "--subtasks", "0"): "--subtasks: must be at least 1",
         ("ingest", "--table", "orders", "--source", synthetic, "--checkpoint-records", "0"): "--checkpoint-records: must be at least 1",
-        ("ingest", "--table", "orders", "--source", "synthetic:rate=-1"): "rate must be positive",
+        # the source option named as the user wrote it (before: "rate must be positive, got -1.0")
+        ("ingest", "--table", "orders", "--source", "synthetic:rate=-1"): "synthetic source option rate=-1: must be positive",
+        # before: "unrecognized arguments: -5m"
+        ("streams", "idle-timeout", "--table", "orders", "-5m"): "a negative duration is refused: '-5m'",
+        ("maintain", "--table", "orders", "--orphan-min-age", "-1h"): "--orphan-min-age: a negative duration is refused: '-1h'",
+        # before: only the ISO form was shown
+        ("replay", "--table", "orders", "--hour", "bogus"): "name an hour as 2026-01-01-05:00 or 2026-01-01T05:00:00Z",
         ("ingest", "--table", "orders", "--source", "synthetic:start=yesterday"): "yesterday",
         ("streams", "idle-timeout", "--table", "orders", "soon"): "not a duration: 'soon'",
     }
@@ -122,10 +128,29 @@ def test_every_bad_value_a_user_gives_is_one_line_and_exit_2(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("partfin: error: ") and expected in lines[0], (args, lines)
 
 
+def test_status_names_the_home_and_catalog_it_read(tmp_path):
+    """Before: `partfin status` never said which home it read; without PARTFIN_HOME it said only "no partfin tables yet"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARTFIN_")}
+    nowhere = subprocess.run([sys.executable, "-m", "partfin_assets.cli", "status"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert nowhere.returncode == 0, nowhere.stderr
+    assert f"no partfin tables yet in partfin home {tmp_path / '.partfin'} (PARTFIN_HOME unset: ./.partfin)" in nowhere.stdout
+    assert f"sqlite:///{tmp_path / '.partfin' / 'catalog.db'}" in nowhere.stdout
+
+    home = tmp_path / "home"
+    source = "synthetic:seed=3,start=2026-11-01T00:00:00Z,end=2026-11-01T02:00:00Z,rate=0.5"
+    assert partfin(home, "ingest", "--table", "orders", "--source", source).returncode == 0
+    first = partfin(home, "status").stdout.splitlines()[0]
+    assert first == f"partfin home {home} (PARTFIN_HOME), SQL catalog at sqlite:///{home / 'catalog.db'}"
+    shown = json.loads(partfin(home, "status", "--json").stdout)
+    assert shown["home"] == str(home) and shown["catalog"] == f"SQL catalog at sqlite:///{home / 'catalog.db'}"
+
+
 def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
     # only PartfinError is the user's to fix (one line, exit 2); any other exception, a ValueError
     # included, is a bug: its traceback and exit 1
     from partfin_assets import cli
+    from partfin_assets.cli import tables
     from partfin_assets.iceberg.catalog import load_partfin_catalog
 
     def broken_upsert(catalog, table):
@@ -133,7 +158,7 @@ def test_a_bug_is_not_dressed_up_as_a_user_error(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("PARTFIN_HOME", str(tmp_path))
     load_partfin_catalog(tmp_path)  # a catalog there (upsert creates none)
-    monkeypatch.setattr(cli, "run_upsert", broken_upsert)
+    monkeypatch.setattr(tables, "run_upsert", broken_upsert)
     assert cli.main(["upsert", "--table", "orders"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "ValueError: an invariant partfin broke" in err and "partfin: error" not in err

@@ -158,7 +158,7 @@ def test_exactly_once_across_daemon_restart(tmp_path):
     for key, meta in events:
         name = "finalized-" + key.replace(":00", "") + (f"-amend-{numbered[key]}" if numbered[key] else "")
         numbered[key] += 1
-        wanted.append((name, meta["base_snapshot_id"]))
+        wanted.append((name, int(meta["base_snapshot_id"])))  # text in the metadata: exact
     assert tagged == sorted(wanted)
     instance.dispose()
 

@@ -106,7 +106,9 @@ def test_demo_started_in_background_stops_on_signal(tmp_path, stop_signal):
         assert not [p for p in tree if running(p)], "the webserver and the daemon stopped with it"
         assert "Shutting down Dagster services" in text
 
-        # a first-time user's log: no Dagster-internal warnings, every materialization line names its partition
+        # a first-time user's log: where the tables are (before: never said), no Dagster-internal warnings, every
+        # materialization line names its partition
+        assert f"demo: PARTFIN_HOME={home} (its tables: PARTFIN_HOME={home} partfin status)" in text
         assert "BetaWarning" not in text
         assert "dagster.yaml) in the current folder" not in text
         assert "Materialized value" not in text

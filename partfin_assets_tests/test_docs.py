@@ -134,3 +134,26 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path):
     ]
     assert OUTSIDE.search("see DESIGN §6") and OUTSIDE.search("(issue 10 §3)") and OUTSIDE.search("../shared/notes")
     assert not OUTSIDE.search("an issue with 3 tables")
+
+
+SUITE_TIME = re.compile(r"`scripts/test\.sh` \(about (\d+) minutes|about (\d+) minutes\s+on this 2-core machine")
+
+
+def test_the_suite_time_is_the_same_wherever_it_is_stated():
+    """The README said 26 minutes, docs/operations.md 19: one of them was stale."""
+    stated = {page.name: {int(a or b) for a, b in SUITE_TIME.findall(page.read_text())} for page in (REPO / "README.md", REPO / "docs" / "operations.md")}
+    assert all(stated.values()) and len(set().union(*stated.values())) == 1, stated
+
+
+def test_no_page_names_an_asset_by_the_key_form_partfin_no_longer_uses():
+    """`cdc/T`, `base/T`: keys of a release before (`cdc_T` now); only a page explaining that change names them."""
+    old = re.compile(r"`(?:cdc|base|finalized|activity)/(?:T|<t(?:able)?>)`|--select (?:cdc|base)/")
+    new = re.compile(r"`(?:cdc|base|finalized)_(?:T|<t(?:able)?>)`")
+    wrong = []
+    for page in PAGES:
+        heading = ""
+        for line in page.read_text().splitlines():
+            heading = line if line.startswith("#") else heading
+            if old.search(line) and not new.search(line) and "Upgrading" not in heading:  # the upgrade notes name both
+                wrong.append(f"{page.relative_to(REPO)}: {line.strip()[:120]}")
+    assert not wrong, "\n".join(wrong)

@@ -126,7 +126,7 @@ def refusals(tmp_path: Path) -> dict[tuple[str, ...], str]:
         ("streams", "idle-timeout", "--table", "nosuch", "10m"): "no partfin catalog",
         ("upsert", "--table", "nosuch"): "no partfin catalog",
         ("late-data", "ack", "--table", "orders", "--hour", "2026-12-03-06:30", "--reason", "r"): "'2026-12-03-06:30' is not on the hour",
-        ("late-data", "ack", "--table", "orders", "--hour", "bogus", "--reason", "r"): "--hour: not a time: 'bogus'",
+        ("late-data", "ack", "--table", "orders", "--hour", "bogus", "--reason", "r"): "--hour: not an hour: 'bogus'; name an hour as 2026-01-01-05:00",
         ("late-data", "ack", "--table", "orders", "--all", "--reason", "r", "--by", ""): "--by: who acknowledges may not be blank",
         # writer ids: partfin's own stream (the ledger's replays: accepted, it lost most of that writer's records), a
         # newline (it split `partfin streams list`), the partition-stream separator, nothing

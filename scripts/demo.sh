@@ -15,6 +15,8 @@ scripts/setup.sh
 export PARTFIN_HOME=$(realpath -m "${PARTFIN_HOME:-$REPO/.partfin}")
 export DAGSTER_HOME=$(realpath -m "${DAGSTER_HOME:-$PARTFIN_HOME/dagster}")
 mkdir -p "$PARTFIN_HOME" "$DAGSTER_HOME"
+# the log says where the tables are: `partfin status` reads the same home only when PARTFIN_HOME says so
+echo "demo: PARTFIN_HOME=$PARTFIN_HOME (its tables: PARTFIN_HOME=$PARTFIN_HOME partfin status), DAGSTER_HOME=$DAGSTER_HOME" >&2
 # PARTFIN_DAGSTER_CONFIG=dagster.postgres.yaml keeps the instance in PostgreSQL (docs/operations.md: Production)
 cp "${PARTFIN_DAGSTER_CONFIG:-dagster.yaml}" "$DAGSTER_HOME/dagster.yaml"
 # Hourly partitions start where the demo's data starts: the first hour the source replays (24 hours

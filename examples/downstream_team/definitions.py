@@ -71,6 +71,7 @@ def orders_revenue_hourly(context: AssetExecutionContext) -> MaterializeResult:
     from partfin_assets.iceberg.catalog import load_partfin_catalog
     from partfin_assets.iceberg.tables import read_base
     from partfin_assets.model.errors import SnapshotUnavailable
+    from partfin_assets.model.ids import id_text
 
     start = datetime.strptime(context.partition_key, "%Y-%m-%d-%H:%M").replace(tzinfo=timezone.utc)
     lo = int(start.timestamp() * 1_000_000)
@@ -88,7 +89,7 @@ def orders_revenue_hourly(context: AssetExecutionContext) -> MaterializeResult:
     paid = live.filter(pl.col("status") == "paid") if live.height else live
     revenue = float(paid["amount"].sum()) if paid.height else 0.0
     return MaterializeResult(
-        metadata={"paid_orders": paid.height, "revenue": revenue, "base_snapshot_id": point.snapshot_id, "base_snapshot_origin": point.origin}
+        metadata={"paid_orders": paid.height, "revenue": revenue, "base_snapshot_id": id_text(point.snapshot_id), "base_snapshot_origin": point.origin}
     )
 
 

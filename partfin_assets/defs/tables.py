@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus, HourlyPartitionsDefinition, sensor
 
 from partfin_assets.finalization.hours import hour_from_key
-from partfin_assets.jobs.maintenance import MAINTENANCE_ORPHAN_AGE_S
+from partfin_assets.model.defaults import MAINTENANCE_ORPHAN_AGE_S
 from partfin_assets.model.settings import DEFAULT_PARTITIONS_START, Settings
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.sources.synthetic import ORDERS_SPEC

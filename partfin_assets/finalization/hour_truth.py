@@ -20,7 +20,8 @@ import polars as pl
 from partfin_assets.finalization.hours import hour_key, is_finalized
 from partfin_assets.iceberg.ledger import hour_totals
 from partfin_assets.model import summary_keys as K
-from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, format_duration, iso_z, parse_iso, to_us
+from partfin_assets.model.ids import id_text
+from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, format_duration, iso_z, parse_iso, shown_time, to_us
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class HourTruth:
         """Whether the hour is final, since when, and whether late data reached it after, in one line."""
         if not self.finalized:
             return f"not final: the watermark has not passed {iso_z(self.hour_us + US_PER_HOUR)} yet"
-        since = (f" since {iso_z(self.finalized_at_us)} ({format_duration(self.finalization_lag_seconds)} after the hour's end)"
+        since = (f" since {shown_time(self.finalized_at_us)} ({format_duration(self.finalization_lag_seconds)} after the hour's end)"
                  if self.finalized_at_us is not None else "")
         late = (f"{self.late_records} late record(s) reached it after it was final" if self.late_records
                 else "no late data reached it after")
@@ -63,7 +64,7 @@ class HourTruth:
         """Plain values; numbers stay numbers so the asset page plots them across partitions."""
 
         def iso(us: int | None) -> str | None:
-            return iso_z(us) if us is not None else None
+            return shown_time(us) if us is not None else None
 
         return {
             "finality": self.finality,  # first: the one line the partition page shows on top
@@ -161,12 +162,12 @@ def checkpoint_facts(summary: Mapping[str, str], committed_at_us: int) -> dict[s
     latency = round((committed_at_us - to_us(parse_iso(newest))) / US_PER_SECOND, 3) if newest else None
     checkpoint = summary.get(K.CHECKPOINT_ID)
     return {
-        "checkpoint_id": int(checkpoint) if checkpoint else None,
+        "checkpoint_id": id_text(int(checkpoint)) if checkpoint else None,
         "records": int(summary.get(K.EVENT_TIME_COUNT, "0")),
         "late_records": int(summary.get(K.LATE_RECORDS, "0")),
         "watermark": summary.get(K.WATERMARK),
         # commit clock minus the checkpoint's newest event time: how far commits trail the events
         "commit_latency_seconds": latency,
         "commit_latency": format_duration(latency),
-        "committed_at": iso_z(committed_at_us),
+        "committed_at": shown_time(committed_at_us),
     }

@@ -32,7 +32,10 @@ def parse_hour(text: str) -> int:
     try:
         hour = hour_from_key(text)
     except ValueError:
-        hour = to_us(parse_iso(text))
+        try:
+            hour = to_us(parse_iso(text))
+        except InvalidInput:
+            raise InvalidInput(f"not an hour: {text!r}; name an hour as 2026-01-01-05:00 or 2026-01-01T05:00:00Z") from None
     if hour != floor_hour_us(hour):
         raise InvalidInput(f"{text!r} is not on the hour; name an hour as 2026-01-01-05:00 or 2026-01-01T05:00:00Z")
     return hour

@@ -29,6 +29,7 @@ from partfin_assets.iceberg.catalog import load_table_if_exists
 from partfin_assets.iceberg.history import recorded_value, recorded_watermark
 from partfin_assets.iceberg.ledger import read_ledger
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.timeutil import iso_z
 
 BASE_SNAPSHOT_TAG = "partfin/base-snapshot-id"  # run tag: the base snapshot the run reads
@@ -77,14 +78,14 @@ def finalization_metadata(hour_us: int, watermark_us: int, position: BasePositio
     out: dict[str, Any] = {
         "hour": iso_z(hour_us),
         "watermark": iso_z(watermark_us),
-        "base_snapshot_id": position.snapshot_id,
-        "cdc_snapshot_id": position.cdc_snapshot_id,
-        "cdc_sequence_number": position.cdc_sequence_number,
+        "base_snapshot_id": id_text(position.snapshot_id),
+        "cdc_snapshot_id": id_text(position.cdc_snapshot_id),
+        "cdc_sequence_number": id_text(position.cdc_sequence_number),
         "amendment": late is not None,
     }
     if late is not None:
         out["late_records"] = late.records
-        out["late_commits"] = [c.snapshot_id for c in late.commits]
+        out["late_commits"] = [id_text(c.snapshot_id) for c in late.commits]
     return out
 
 

@@ -31,6 +31,7 @@ from partfin_assets.iceberg.history import lineage, recorded_watermark, total_re
 from partfin_assets.iceberg.streams import writer_clocks
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.display_text import markdown_text
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.stats import commit_clock_us, source_clock_us
 from partfin_assets.model.timeutil import US_PER_SECOND, format_duration, from_us, iso_z, now_utc, parse_iso, to_us
 from partfin_assets.watermark.registry import table_policy
@@ -85,8 +86,8 @@ def watermark_fresh(catalog: Catalog, name: str, limits: CheckThresholds, now_us
         return CheckOutcome(False, f"cdc.{name} has no watermark yet")
     now = to_us(now_utc()) if now_us is None else now_us
     lag = lag_seconds(watermark, now)
-    metadata = {"watermark": iso_z(watermark), "lag_seconds": lag, "lag": format_duration(lag),
-                "warn_after_seconds": limits.lag_warn_seconds, "error_after_seconds": limits.lag_error_seconds,
+    # durations as people read them, once: a number beside each was noise, and the constant limits plotted as series
+    metadata = {"watermark": iso_z(watermark), "lag": format_duration(lag),
                 "warn_after": format_duration(limits.lag_warn_seconds), "error_after": format_duration(limits.lag_error_seconds)}
     description = f"watermark {iso_z(watermark)} trails now by {format_duration(lag)}"
     newest = _newest_checkpoint(cdc)
@@ -145,7 +146,7 @@ def watermark_monotonic(catalog: Catalog, name: str) -> CheckOutcome:
         metadata={
             "snapshots_checked": len(history),
             "watermark": _iso(prop),
-            "regressions": [{"from_snapshot": a.snapshot_id, "from": iso_z(a.watermark_us), "to_snapshot": b.snapshot_id,
+            "regressions": [{"from_snapshot": id_text(a.snapshot_id), "from": iso_z(a.watermark_us), "to_snapshot": id_text(b.snapshot_id),
                              "to": iso_z(b.watermark_us)} for a, b in regressions[:MAX_LISTED]],
         },
     )
@@ -279,7 +280,7 @@ def base_matches_cdc(catalog: Catalog, name: str) -> CheckOutcome:
     return CheckOutcome(
         passed=expected == actual,
         description=f"base watermark {actual}, watermark in force at merged cdc snapshot {source_id} {expected}",
-        metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": source_id},
+        metadata={"base_watermark": actual, "cdc_snapshot_watermark": expected, "cdc_snapshot_id": id_text(source_id)},
     )
 
 
@@ -297,8 +298,7 @@ def base_lag(catalog: Catalog, name: str, limits: CheckThresholds) -> CheckOutco
         passed=lag <= limits.base_max_lag_seconds,
         severity=WARN,
         description=f"base lags cdc by {format_duration(lag)} (bound {format_duration(limits.base_max_lag_seconds)})",
-        metadata={"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag_seconds": float(lag),
-                  "lag": format_duration(lag), "bound_seconds": limits.base_max_lag_seconds,
+        metadata={"cdc_watermark": iso_z(cdc_w), "base_watermark": iso_z(base_w), "lag": format_duration(lag),
                   "bound": format_duration(limits.base_max_lag_seconds)},
     )
 

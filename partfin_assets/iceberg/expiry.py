@@ -33,6 +33,7 @@ from partfin_assets.iceberg.history import commit_stream, lineage, summary_of
 from partfin_assets.iceberg.ledger import ledger_entry, reconcile
 from partfin_assets.iceberg.streams import stream_count
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.defaults import KEEP_LAST_SNAPSHOTS
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitWindow, commit_clock_us, commit_stats, source_clock_us
 
@@ -60,7 +61,7 @@ def window_retained(window: CommitWindow, metadata: TableMetadata) -> bool:
 
 @dataclass(frozen=True)
 class Retention:
-    keep_last: int = 10  # newest snapshots of main always kept
+    keep_last: int = KEEP_LAST_SNAPSHOTS  # newest snapshots of main always kept
     slack: int = 20  # expire only once this many more piled up: one expiry commit per `slack` checkpoints
     # False: a table whose snapshot summaries nothing reads back (the rejected tables): keep only the newest
     # `keep_last` and what refs point at, not the policy windows and writers' checkpoints a cdc table keeps

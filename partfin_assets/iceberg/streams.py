@@ -57,7 +57,6 @@ lines of `partfin streams`), and outside `partfin.`, the prefix of partfin's own
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -75,39 +74,13 @@ from partfin_assets.model import summary_keys as K
 from partfin_assets.model.table_options import STREAMS_IDLE_TIMEOUT
 from partfin_assets.model.errors import InvalidInput, PartfinError
 from partfin_assets.model.stats import compact_json
+from partfin_assets.model.stream_names import PARTITION_SEPARATOR, RESERVED_STREAM_PREFIX, check_stream_id, check_writer_id
 from partfin_assets.model.timeutil import US_PER_SECOND, iso_z, parse_iso, to_us
 
 DEFAULT_IDLE_TIMEOUT = timedelta(microseconds=STREAMS_IDLE_TIMEOUT.default_value)
 ACTIVE, RETIRED = "active", "retired"
 
-RESERVED_STREAM_PREFIX = "partfin."  # partfin's own streams; no writer id starts with it (in any case)
 REPLAY_STREAM = RESERVED_STREAM_PREFIX + "replay"  # the ledger's stream of replays of an hour (checkpoint id: sequence number)
-PARTITION_SEPARATOR = "/"  # a partition's stream: <writer id>/<partition>
-_WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_PARTITION = re.compile(r"[A-Za-z0-9._-]{1,300}")  # Kafka: <topic>-<partition> (topic names use these characters)
-WRITER_ID_FORM = ("1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit, "
-                  f"not starting with {RESERVED_STREAM_PREFIX!r} (partfin's own streams)")
-
-
-def check_writer_id(writer_id: str) -> str:
-    """A writer id a user gives, if partfin can use it (see Names in the module docstring); else InvalidInput."""
-    if not _WRITER_ID.fullmatch(writer_id) or writer_id.lower().startswith(RESERVED_STREAM_PREFIX):
-        raise InvalidInput(f"writer id {writer_id!r} is not one partfin can use: {WRITER_ID_FORM}")
-    return writer_id
-
-
-def check_stream_id(stream_id: str) -> str:
-    """A stream id a user gives: a writer id, or a writer's partition stream `<writer id>/<partition>`."""
-    writer_id, separator, partition = stream_id.partition(PARTITION_SEPARATOR)
-    try:
-        check_writer_id(writer_id)
-    except InvalidInput:
-        pass
-    else:
-        if not separator or _PARTITION.fullmatch(partition):
-            return stream_id
-    raise InvalidInput(f"stream {stream_id!r} is not one partfin names: a writer id ({WRITER_ID_FORM}), "
-                       f"or <writer id>/<partition> (letters, digits, '.', '_', '-')")
 
 
 class UnknownStream(PartfinError):

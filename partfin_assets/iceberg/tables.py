@@ -50,6 +50,7 @@ from partfin_assets.iceberg.commit import MANAGED_TABLE_PROPERTIES, ensure_manag
 from partfin_assets.iceberg.history import lineage, summary_of
 from partfin_assets.iceberg.reserved_names import is_reserved
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.defaults import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.errors import InvalidInput, SnapshotUnavailable
 from partfin_assets.model.tablespec import LEDGER_SUFFIX, TableSpec
@@ -251,9 +252,8 @@ ORDER_FIELDS = Schema(
 
 
 DEFAULT_BUCKETS = 16
-# What one bucket should hold at most: the file size compaction aims at (`write.target-file-size-bytes`, else 128 MiB).
+# What one bucket should hold at most: the file size compaction aims at (this property, else DEFAULT_TARGET_FILE_SIZE).
 TARGET_FILE_SIZE_PROPERTY = "write.target-file-size-bytes"
-DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)

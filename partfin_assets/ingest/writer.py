@@ -69,13 +69,11 @@ from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_cloc
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
+from partfin_assets.model.defaults import DEFAULT_COMMIT_INTERVAL_S
 from partfin_assets.model.faults import faults
 from partfin_assets.watermark.registry import declare_policy, parse_policy, table_policy
 
 log = logging.getLogger(__name__)
-
-# How long the checkpoints of a partitioned source's partitions may wait for each other to land in one commit.
-DEFAULT_COMMIT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)

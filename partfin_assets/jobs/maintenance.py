@@ -199,7 +199,6 @@ class OrphanReport:
 
 
 DEFAULT_ORPHAN_AGE_S = 3600.0
-MAINTENANCE_ORPHAN_AGE_S = 24 * 3600  # the maintenance job's (and `partfin maintain`'s) safety age: a day
 
 
 def remove_orphan_files(

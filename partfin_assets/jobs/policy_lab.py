@@ -36,6 +36,7 @@ from partfin_assets.iceberg.ledger import COMMIT_STATS_COLUMNS, REPLAY_STREAM, C
 from partfin_assets.iceberg.streams import DEFAULT_IDLE_TIMEOUT
 from partfin_assets.ingest.watermark_processor import DEFAULT_FUTURE_TOLERANCE
 from partfin_assets.model.table_options import WATERMARK_POLICY
+from partfin_assets.model.defaults import POLICY_LAB_POLICIES, POLICY_LAB_SCENARIOS
 from partfin_assets.model.errors import InvalidInput
 from partfin_assets.model.stats import CommitStats
 from partfin_assets.model.timeutil import US_PER_HOUR, US_PER_SECOND, floor_hour_us, parse_iso, to_us
@@ -43,7 +44,7 @@ from partfin_assets.watermark.policy import LEARN_MATURITY_US
 from partfin_assets.watermark.registry import parse_policy, policy_for_budget
 from partfin_assets.watermark.step import advance, stream_progress, window_of
 
-SCENARIOS = ("steady", "outage", "idle", "bad-clocks", "shift", "backfill")
+SCENARIOS = POLICY_LAB_SCENARIOS
 # the `shift` scenario: a connector falls behind by 30 minutes (the body of the lateness, median 20 s, ~90x longer; its
 # tail as much later) over the middle half of the measured hours, then recovers
 SHIFT_LAG_S = 1800.0
@@ -53,8 +54,7 @@ SHIFT_ONSET_HOURS = 2  # the phase a policy may need to see the shift: not held 
 BACKFILL_DOWN_HOURS = 3
 BACKFILL_SPEED = 8
 MIN_HOURS = {"shift": 4, "backfill": BACKFILL_DOWN_HOURS + 2}  # measured hours a scenario needs (others: 1)
-DEFAULT_POLICIES = ("min-of-last:3", "min-of-last:10", "min-of-last:30m", "percentile:0.001:last:3",
-                    "percentile:0.001:last:30m")
+DEFAULT_POLICIES = POLICY_LAB_POLICIES
 
 
 def lab_policies(budget: float) -> list[str]:

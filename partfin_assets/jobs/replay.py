@@ -60,6 +60,7 @@ from partfin_assets.jobs.job import Hook, Job
 from partfin_assets.model import summary_keys as K
 from partfin_assets.model.erasure import without_erased
 from partfin_assets.model.errors import PartfinError
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.records import (
     CDC_RECORD_SCHEMA, RECORD_IDENTITY, SOURCE_LOG, cdc_records, records_by_log, records_not_in, with_source_log,
 )
@@ -98,7 +99,7 @@ class ReplayResult:
     by_log: dict[str, dict[str, int]] | None = None  # change log -> {"records", "added", "removed"} of the replayed hour
 
     def metadata(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return {k: id_text(v) if k == "snapshot_id" else v for k, v in self.__dict__.items()}
 
 
 def replay_hour(

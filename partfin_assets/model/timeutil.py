@@ -39,6 +39,11 @@ def iso_z(dt_or_us: datetime | int) -> str:
     return dt.isoformat(timespec="microseconds" if dt.microsecond else "seconds") + "Z"
 
 
+def shown_time(us: int) -> str:
+    """A time as people read it in the UI: ISO-8601 UTC to the second (the microseconds iso_z keeps are noise there)."""
+    return iso_z(us - us % US_PER_SECOND)
+
+
 def parse_iso(text: str) -> datetime:
     try:
         dt = datetime.fromisoformat(text.replace("Z", "+00:00"))

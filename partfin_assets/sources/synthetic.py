@@ -151,23 +151,23 @@ class SyntheticSource(ReplayableSource):
         speed_event: datetime | None = None,
     ) -> None:
         if rate <= 0:
-            raise SourceError(f"rate must be positive, got {rate}")
+            raise SourceError(f"synthetic source option rate={rate:g}: must be positive (events per second)")
         if key_space < 1:
-            raise SourceError(f"key_space must be at least 1, got {key_space}")
+            raise SourceError(f"synthetic source option key_space={key_space}: must be at least 1")
         for name, fraction in (("delete_fraction", delete_fraction), ("late_fraction", late_fraction)):
             if not 0 <= fraction <= 1:
-                raise SourceError(f"{name} must be within [0, 1], got {fraction}")
+                raise SourceError(f"synthetic source option {name}={fraction:g}: must be within [0, 1]")
         if max_lateness < timedelta(hours=1):
-            raise SourceError(f"max_lateness must be at least one hour, got {max_lateness}")
+            raise SourceError(f"synthetic source option max_lateness={max_lateness}: must be at least one hour")
         if idle_every is not None and not timedelta(0) <= idle_for < idle_every:
-            raise SourceError(f"idle_for ({idle_for}) must be shorter than idle_every ({idle_every})")
+            raise SourceError(f"synthetic source options idle_for={idle_for}, idle_every={idle_every}: idle_for must be shorter")
         if heartbeat_every <= timedelta(0):
-            raise SourceError(f"heartbeat_every must be positive, got {heartbeat_every}")
+            raise SourceError(f"synthetic source option heartbeat_every={heartbeat_every}: must be positive")
         if follow and end is not None:
             raise SourceError("a following source has no end")
         if speed != 1.0:
             if speed <= 0:
-                raise SourceError(f"speed must be positive, got {speed}")
+                raise SourceError(f"synthetic source option speed={speed:g}: must be positive")
             if start is None or speed_since is None:
                 raise SourceError("speed needs start (the history) and speed_since (the wall time the faster clock starts)")
             clock = accelerated_clock(clock, speed, speed_since, speed_event or start)

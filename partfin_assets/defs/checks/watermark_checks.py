@@ -32,6 +32,7 @@ from partfin_assets.defs.tables import PartfinTable, table_sensor
 from partfin_assets.finalization import table_checks as tc
 from partfin_assets.finalization.hours import hour_key
 from partfin_assets.iceberg.catalog import load_table_if_exists
+from partfin_assets.model.ids import id_value
 from partfin_assets.model.timeutil import format_duration
 
 
@@ -50,7 +51,7 @@ def downstream_runs(instance: DagsterInstance, table: PartfinTable) -> Callable[
                 continue
             materialization = entry.asset_materialization
             seq = materialization.metadata.get("cdc_sequence_number") if materialization else None
-            out[hour] = tc.DownstreamRun(int(seq.value) if seq is not None and isinstance(seq.value, int) else None,
+            out[hour] = tc.DownstreamRun(id_value(seq.value) if seq is not None else None,
                                          int(entry.timestamp * 1_000_000))
         return out
 

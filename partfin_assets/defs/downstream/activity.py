@@ -31,6 +31,7 @@ from partfin_assets.finalization.read_points import (
     read_tags,
 )
 from partfin_assets.iceberg.tables import DELETED, EVENT_TIME, read_base, snapshot_unavailable_reason
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.timeutil import US_PER_HOUR, iso_z
 from partfin_assets.model.faults import faults
 
@@ -126,13 +127,13 @@ def build_activity_asset(table: PartfinTable):
                     "watermark": iso_z(watermark) if watermark is not None else None,
                     "finalized": is_finalized(hour, watermark),
                     "forced": bool(config.force and (unavailable or not is_finalized(hour, watermark))),
-                    "base_snapshot_id": point.snapshot_id,
+                    "base_snapshot_id": id_text(point.snapshot_id),
                     "base_snapshot_origin": point.origin,
                     # which event of the hour this run is for, and why (the sensor's run tags; a run by hand has none)
                     "run_for": run_for,
                     "reason": reason,
-                    "cdc_snapshot_id": position.cdc_snapshot_id,
-                    "cdc_sequence_number": position.cdc_sequence_number,
+                    "cdc_snapshot_id": id_text(position.cdc_snapshot_id),
+                    "cdc_sequence_number": id_text(position.cdc_sequence_number),
                     "path": str(path),
                 }
             

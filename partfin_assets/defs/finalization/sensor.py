@@ -59,6 +59,7 @@ from partfin_assets.finalization.tags import Finalization, tag_finalizations
 from partfin_assets.iceberg.catalog import load_existing_table, load_table_if_exists
 from partfin_assets.iceberg.history import watermark_of
 from partfin_assets.model import summary_keys as K
+from partfin_assets.model.ids import id_value
 from partfin_assets.model.timeutil import US_PER_HOUR, floor_hour_us, iso_z
 
 MAX_HOURS_PER_TICK = 200
@@ -191,7 +192,7 @@ def late_hours_to_amend(context, table: PartfinTable, iceberg, cursor: Finalizat
     seen = {}
     for hour in handled:
         event = newest_finalization_event(context.instance, table, hour_key(hour))
-        seen[hour] = event.get("cdc_sequence_number") if event else None
+        seen[hour] = id_value(event.get("cdc_sequence_number")) if event else None
     return amendments(late, seen)
 
 

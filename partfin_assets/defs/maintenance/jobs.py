@@ -13,7 +13,7 @@
   jobs/maintenance.py; the hard erase of a privacy request); files younger than `orphan_min_age_seconds`
   are never deleted.
 
-`partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli.py) call the same job functions
+`partfin compact`, `partfin privacy-delete`, `partfin maintain` (cli/tables.py) call the same job functions
 with the same conflict retry policy, in process.
 
 Every op that can lose a race (CommitConflictError) is retried from a fresh snapshot, bounded
@@ -48,6 +48,7 @@ from partfin_assets.jobs import maintenance as maintenance_core
 from partfin_assets.jobs import privacy as privacy_core
 from partfin_assets.jobs.compaction import DEFAULT_TARGET_FILE_SIZE
 from partfin_assets.model.errors import InvalidInput, first_line
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.timeutil import iso_z, parse_iso, to_us
 
 
@@ -80,7 +81,7 @@ def _compact_op(table: PartfinTable, layer: str):
         context.log.info(result.describe())
         metadata = {
             "iceberg_table": identifier,
-            "snapshot_id": result.snapshot_id,
+            "snapshot_id": id_text(result.snapshot_id),
             "partitions_compacted": len(result.partitions),
             "files_before": result.files_before,
             "files_after": result.files_after,
@@ -166,7 +167,7 @@ def build_privacy_job(table: PartfinTable):
                         "iceberg_table": identifier,
                         "deleted_records": counts[identifier],
                         "files_rewritten": sum(r.files_rewritten for r in results),
-                        "snapshot_ids": [r.snapshot_id for r in results],
+                        "snapshot_ids": [id_text(r.snapshot_id) for r in results],
                         "keys": len(config.keys),
                         "erased_before": iso_z(result.erased_before_us or 0),
                     },

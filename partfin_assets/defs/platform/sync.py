@@ -59,6 +59,7 @@ from partfin_assets.ingest.writer import CdcWriter, CheckpointResult
 from partfin_assets.jobs.retry import retry_on_conflict
 from partfin_assets.jobs.upsert import run_upsert
 from partfin_assets.model.errors import first_line
+from partfin_assets.model.ids import id_text
 from partfin_assets.model.table_options import WATERMARK_POLICY
 from partfin_assets.model.timeutil import floor_hour_us, format_duration, iso_z, now_utc, parse_iso, to_us
 
@@ -151,8 +152,8 @@ def upsert_and_report(context, table: PartfinTable, iceberg, skip_hours: set[int
         checks = _checks(context, table, iceberg, "base")
         _log_hours(context, table, table.base_key, [t for t in found if t.hour_us not in skip_hours], to_us(now_utc()), {
             "watermark": _iso(watermark),
-            "base_snapshot_id": result.base_snapshot_id,
-            "cdc_snapshot_id": result.cdc_snapshot_id,
+            "base_snapshot_id": id_text(result.base_snapshot_id),
+            "cdc_snapshot_id": id_text(result.cdc_snapshot_id),
         })
         _log_events(context, checks)
     else:
@@ -244,7 +245,7 @@ def report_checkpoint(context: AssetExecutionContext | OpExecutionContext, table
     committed_at = snapshot.timestamp_ms * 1000 if snapshot else to_us(now_utc())
     hours = [h.hour_us for h in checkpoint_hours(result.summary)]
     context.log_event(AssetObservation(asset_key=table.cdc_key, metadata={
-        **checkpoint_facts(result.summary, committed_at), "snapshot_id": result.snapshot_id, "hours_touched": len(hours)}))
+        **checkpoint_facts(result.summary, committed_at), "snapshot_id": id_text(result.snapshot_id), "hours_touched": len(hours)}))
     return hours
 
 
