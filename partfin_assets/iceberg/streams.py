@@ -48,7 +48,7 @@ found ahead judges event times with its clock less that lead (`trusted_clock_us`
 
 Names. A writer id names a stream, the table properties above and the ledger's rows, and begins
 its partition streams' ids (`<writer id>/<partition>`), so one a user gives is checked
-(`check_writer_id`): 1-128 ASCII letters, digits, `.`, `_`, `-`, starting with a letter or digit
+(`check_writer_id`, model/stream_names.py): 1-128 ASCII letters, digits, `.`, `_`, `-`, starting with a letter or digit
 (no `/`, which begins a partition's stream; no space or control character, which would split the
 lines of `partfin streams`), and outside `partfin.`, the prefix of partfin's own streams
 (`REPLAY_STREAM`: the ledger's record of each replay of an hour).

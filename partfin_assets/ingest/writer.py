@@ -44,7 +44,7 @@ from partfin_assets.iceberg.files import delete_files, write_data_files
 from partfin_assets.iceberg.history import commit_stream, lineage, recorded_source, summary_of
 from partfin_assets.iceberg.ledger import Checkpoint, LedgerAppender, checkpoint_row_dicts, hour_rows, reconcile
 from partfin_assets.iceberg.streams import (
-    CommittedPosition, SteadyReading, Stream, StreamClock, StreamClockReading, check_clocks, check_writer_id, first_sights, idle_timeout_us, position_in,
+    CommittedPosition, SteadyReading, Stream, StreamClock, StreamClockReading, check_clocks, first_sights, idle_timeout_us, position_in,
     positions_of, register_stream, steady_now, stream_position, stream_property, streams_of, trusted_clock_us, writer_clocks,
 )
 from partfin_assets.iceberg.tables import ensure_cdc_tables
@@ -66,6 +66,7 @@ from partfin_assets.model.records import (
 )
 from partfin_assets.model.source_identity import SourceChanged, SourceIdentity, check_source
 from partfin_assets.model.stats import CommitWindow, EventTimeStats, source_clock_us, suspect_future
+from partfin_assets.model.stream_names import check_writer_id
 from partfin_assets.model.summary_keys import JobKind
 from partfin_assets.model.tablespec import TableSpec
 from partfin_assets.model.timeutil import iso_z, now_utc, parse_iso, to_us
